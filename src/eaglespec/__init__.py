@@ -1,0 +1,16 @@
+"""eaglespec: lossless EAGLE speculative decoding for transformers causal language models."""
+
+from .api import Engine, GenerationResult, generate
+from .decode import Finished, GenerationStats, SpecDecoder, Step
+from .drafters import Drafter, EagleDrafter, TreeSettings, VanillaDrafter
+from .errors import EagleSpecError
+from .models import DEFAULT_MODEL, load_target
+from .target import TargetModel
+from .tree import DraftTree
+from .verify import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["DEFAULT_MODEL", "DraftTree", "Drafter", "EagleDrafter", "EagleSpecError", "Engine", "Finished",
+           "GenerationResult", "GenerationStats", "SamplingParams", "SpecDecoder", "Step", "TargetModel",
+           "TreeSettings", "VanillaDrafter", "generate", "load_target"]

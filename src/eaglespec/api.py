@@ -1,0 +1,143 @@
+"""The Python API: an `Engine` (target + drafter + loop) and a one-call `generate`.
+
+    from eaglespec import Engine
+    engine = Engine()                      # default model, its shipped head, EAGLE-2 tree
+    result = engine.generate("Tell me about owls.", max_new_tokens=128)
+    print(result.text, result.stats.tau)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .decode import Finished, GenerationStats, SpecDecoder, Step
+from .drafters import METHODS, Drafter, EagleDrafter, TreeSettings, VanillaDrafter
+from .errors import EagleSpecError
+from .heads import DraftHead, check_head_fits, load_head
+from .models import DEFAULT_MODEL, load_target, parse_dtype, shipped_head_dir
+from .target import TargetModel
+from .verify import SamplingParams
+
+Prompt = str | list[dict]
+MODES = {"eagle2": "dynamic", "eagle1": "static", "chain": "chain"}
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    stats: GenerationStats
+    method: str
+
+
+class Engine:
+    """A target model, a drafting method and the decoding loop, ready to generate."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        head: str | Path | None = "auto",
+        method: str = "eagle2",
+        dtype: str | torch.dtype = "float32",
+        tree: TreeSettings | None = None,
+        device: str = "cpu",
+    ):
+        if method not in METHODS:
+            raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
+        hf_model, tokenizer = load_target(model, dtype=dtype, device=device)
+        self.notice = ""
+        head_module = None
+        if method != "vanilla":
+            head_dir = shipped_head_dir(model) if head == "auto" else (Path(head) if head else None)
+            if head_dir is None:
+                if head == "auto":
+                    self.notice = f"no trained draft head is available for '{model}': running vanilla decoding"
+                    method = "vanilla"
+                else:
+                    raise EagleSpecError(f"method '{method}' needs a draft head: pass --head DIR or use vanilla")
+            else:
+                head_module = load_head(head_dir, dtype=parse_dtype(dtype), device=device)
+        self._setup(hf_model, tokenizer, head_module, method, tree, head_name=str(head))
+
+    @classmethod
+    def from_model(cls, hf_model, tokenizer, head: DraftHead | None = None, method: str = "eagle2",
+                   tree: TreeSettings | None = None) -> "Engine":
+        """Wrap an already loaded transformers model (and optionally a head)."""
+        engine = cls.__new__(cls)
+        engine.notice = ""
+        if method not in METHODS:
+            raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
+        if method != "vanilla" and head is None:
+            raise EagleSpecError(f"method '{method}' needs a draft head")
+        engine._setup(hf_model, tokenizer, head if method != "vanilla" else None, method, tree, "the head")
+        return engine
+
+    def _setup(self, hf_model, tokenizer, head: DraftHead | None, method: str, tree: TreeSettings | None,
+               head_name: str) -> None:
+        feature_kind = None if head is None else ("eagle3" if head.config.kind == "eagle3" else "final")
+        self.target = TargetModel(hf_model, feature_kind=feature_kind)
+        self.tokenizer = tokenizer
+        self.head = head
+        self.method = method
+        if head is not None:
+            check_head_fits(head, self.target, head_name)
+            drafter: Drafter = EagleDrafter(head, self.target.embed_tokens, self.target.lm_head, MODES[method], tree)
+        else:
+            drafter = VanillaDrafter()
+        self.decoder = SpecDecoder(self.target, tokenizer, drafter)
+
+    @property
+    def drafter(self) -> Drafter:
+        return self.decoder.drafter
+
+    def encode(self, prompt: Prompt, chat: bool | None = None, system: str | None = None) -> list[int]:
+        """Token ids for a prompt string or a list of chat messages. Strings go through the chat template when
+        the tokenizer has one (unless chat=False)."""
+        has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise EagleSpecError("the prompt is empty: give some text to continue or answer")
+            if chat is False or (chat is None and not has_template):
+                return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            messages = list(prompt)
+            if not messages:
+                raise EagleSpecError("the message list is empty: give at least one message")
+        if system:
+            messages = [{"role": "system", "content": system}] + messages
+        if not has_template:
+            raise EagleSpecError("this tokenizer has no chat template: pass a plain prompt (--raw) instead of messages")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def stream(self, prompt: Prompt | list[int], max_new_tokens: int = 256, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
+               chat: bool | None = None, system: str | None = None) -> Iterator[Step | Finished]:
+        """Yield `Step`s as tokens are produced, then one `Finished` with the whole text and statistics."""
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        ids = prompt if _is_token_list(prompt) else self.encode(prompt, chat=chat, system=system)
+        return self.decoder.stream(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop)
+
+    def generate(self, prompt: Prompt | list[int], **kwargs) -> GenerationResult:
+        """Generate to completion; same options as `stream`."""
+        for item in self.stream(prompt, **kwargs):
+            if isinstance(item, Finished):
+                return GenerationResult(item.text, item.tokens, item.stats, self.method)
+        raise RuntimeError("the decoding loop ended without a result")
+
+
+def _is_token_list(prompt) -> bool:
+    return isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and len(prompt) > 0
+
+
+def generate(prompt: Prompt, model: str = DEFAULT_MODEL, head: str | None = "auto", method: str = "eagle2",
+             **kwargs) -> GenerationResult:
+    """Load `model` (and its head) and generate once. For repeated calls build an `Engine` and reuse it."""
+    return Engine(model=model, head=head, method=method).generate(prompt, **kwargs)

@@ -1,0 +1,167 @@
+"""Command line: `eaglespec generate | chat | train | export | bench | serve`.
+
+generate and chat live here; other subcommands register themselves from their own packages (see
+SUBCOMMAND_MODULES), each with `register(subparsers, common)`. User errors print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import EagleSpecError
+
+SUBCOMMAND_MODULES = ("eaglespec.train.cli", "eaglespec.bench.cli", "eaglespec.serve.cli")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def model_options(p: argparse.ArgumentParser) -> None:
+    """--model, --head, --method, --dtype, --threads and tree settings (shared by generate, chat, bench, serve)."""
+    from .drafters import METHODS
+    from .models import DEFAULT_MODEL
+
+    g = p.add_argument_group("model and drafting")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"registered name, transformers model folder or .gguf file (default: {DEFAULT_MODEL})")
+    g.add_argument("--head", default="auto",
+                   help="draft head folder (EAGLE / EAGLE-3 layout); 'auto' = the head shipped for --model")
+    g.add_argument("--method", default="eagle2", choices=METHODS,
+                   help="eagle2 = dynamic tree, eagle1 = static tree, chain = top-1, vanilla = no draft")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch (default: torch's)")
+    g.add_argument("--total-tokens", type=_positive_int, default=16, help="EAGLE-2: tree nodes verified per step")
+    g.add_argument("--depth", type=_positive_int, default=5, help="EAGLE-2 / chain: draft levels")
+    g.add_argument("--tree-top-k", type=_positive_int, default=4, help="EAGLE-2: children per expanded node")
+
+
+def sampling_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--system", default=None, help="system message for the chat template")
+
+
+def build_engine(args: argparse.Namespace):
+    """An Engine from the shared options; prints a notice when it had to fall back to vanilla."""
+    import torch
+
+    from .api import Engine
+    from .drafters import TreeSettings
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tree = TreeSettings(total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k)
+    engine = Engine(model=args.model, head=args.head, method=args.method, dtype=args.dtype, tree=tree)
+    if engine.notice:
+        print(f"note: {engine.notice}", file=sys.stderr)
+    return engine
+
+
+def _stream_to_terminal(engine, prompt, args) -> object:
+    from .decode import Finished
+
+    result = None
+    for item in engine.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
+                              chat=False if getattr(args, "raw", False) else None, system=args.system):
+        if isinstance(item, Finished):
+            result = item
+        else:
+            print(item.text, end="", flush=True)
+    print()
+    s = result.stats
+    print(f"[{s.new_tokens} tokens in {s.total_time:.2f}s: {s.tokens_per_s:.1f} tokens/s, tau {s.tau:.2f}, "
+          f"method {engine.method}, {s.finish_reason}]", file=sys.stderr)
+    return result
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = build_engine(args)
+    _stream_to_terminal(engine, args.prompt, args)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    engine = build_engine(args)
+    history: list[dict] = []
+    print("eaglespec chat: type a message, /reset to clear the history, /quit or Ctrl-D to leave.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if line in ("/quit", "/exit"):
+            return 0
+        if line == "/reset":
+            history.clear()
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        print("assistant> ", end="", flush=True)
+        try:
+            result = _stream_to_terminal(engine, history, args)
+        except EagleSpecError as exc:
+            history.pop()
+            print(f"\nerror: {exc}", file=sys.stderr)
+            continue
+        history.append({"role": "assistant", "content": result.text})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eaglespec", description="Lossless EAGLE speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate an answer to one prompt, streamed to the terminal")
+    p.add_argument("prompt", help="the prompt (sent through the model's chat template unless --raw)")
+    p.add_argument("--raw", action="store_true", help="continue the prompt as plain text, no chat template")
+    model_options(p)
+    sampling_options(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat")
+    model_options(p)
+    sampling_options(p)
+    p.set_defaults(func=cmd_chat)
+
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name and name.startswith(exc.name):
+                continue  # that subcommand is not part of this installation
+            raise
+        module.register(sub, model_options=model_options, sampling_options=sampling_options)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except EagleSpecError as exc:
+        print(f"eaglespec: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

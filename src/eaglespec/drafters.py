@@ -1,0 +1,229 @@
+"""Drafters: everything that proposes a draft tree, behind one small interface the verifier does not look behind.
+
+- `EagleDrafter`: an EAGLE head drafting an EAGLE-2 dynamic tree, an EAGLE-1 static tree, or a chain.
+- `VanillaDrafter`: proposes nothing (root only), so plain decoding runs through the very same loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .errors import EagleSpecError
+from .heads.base import DraftHead
+from .tree import EAGLE1_CHOICES, DraftTree, validate_choices
+
+METHODS = ("eagle2", "eagle1", "chain", "vanilla")
+
+
+class Drafter:
+    """Proposes a tree rooted at the last committed token.
+
+    `draft(tokens, new_features)`: `tokens` [n + 1] is the whole committed sequence ending with the root (the
+    token the target chose last, not yet run through the target); `new_features` [k, F] are the target features
+    of the last k committed positions the drafter has not seen yet (positions n - k .. n - 1), or None.
+    """
+
+    name = "drafter"
+    needs_features = False
+
+    def reset(self) -> None:
+        """Forget the sequence (called before each new generation)."""
+
+    def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
+        raise NotImplementedError
+
+
+class VanillaDrafter(Drafter):
+    name = "vanilla"
+
+    def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
+        return DraftTree.root_only(int(tokens[-1]))
+
+
+@dataclass
+class TreeSettings:
+    """EAGLE-2 dynamic tree: `total_tokens` nodes verified (root included), `depth` draft levels, `top_k`
+    children per expanded node. EAGLE-1 static tree: `choices` (rank paths). Chain: `depth` top-1 steps."""
+
+    total_tokens: int = 16
+    depth: int = 5
+    top_k: int = 4
+    choices: list[list[int]] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("total_tokens", "depth", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1 or value > 1024:
+                raise EagleSpecError(f"tree setting {name} must be an integer between 1 and 1024, got {value!r}")
+        if self.total_tokens < 2:
+            raise EagleSpecError("tree setting total_tokens must be at least 2 (the root and one draft token)")
+
+
+class EagleDrafter(Drafter):
+    """Drafts with an EAGLE head over the target's features. `mode`: "dynamic" (EAGLE-2), "static" (EAGLE-1
+    choices) or "chain" (top-1 only)."""
+
+    needs_features = True
+
+    def __init__(self, head: DraftHead, embed_tokens, lm_head, mode: str = "dynamic",
+                 settings: TreeSettings | None = None):
+        if mode not in ("dynamic", "static", "chain"):
+            raise ValueError(f"unknown draft mode {mode}")
+        self.head, self.embed_tokens, self.lm_head, self.mode = head, embed_tokens, lm_head, mode
+        self.settings = settings or TreeSettings()
+        self.name = {"dynamic": "eagle2", "static": "eagle1", "chain": "chain"}[mode]
+        self.choices = validate_choices(self.settings.choices or EAGLE1_CHOICES) if mode == "static" else None
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = self.head.new_cache()
+        self.consumed = 0  # committed positions the head has run over
+
+    # ---- head calls ------------------------------------------------------------------------------------
+    def _catch_up(self, tokens: Tensor, features: Tensor) -> Tensor:
+        """Run the head over the newly committed positions; return the last step's output hidden [d]."""
+        k = features.shape[0]
+        start = self.consumed
+        if start + k != tokens.numel() - 1:
+            raise RuntimeError(f"drafter out of sync: consumed {start} + {k} new != {tokens.numel() - 1} committed")
+        self.cache.rollback()  # drop last round's tree entries
+        ids = tokens[start + 1 : start + 1 + k].to(features.device)  # token one step ahead of each feature
+        hidden = self.head.lift(features)  # [k, d]
+        positions = torch.arange(start, start + k, device=features.device)
+        mask = torch.ones(k, start + k, dtype=torch.bool, device=features.device)
+        mask[:, start:] = torch.ones(k, k, dtype=torch.bool, device=features.device).tril_()
+        out = self.head.step(hidden, self.embed_tokens(ids), positions, self.cache, mask)  # [k, d]
+        self.cache.commit()
+        self.consumed += k
+        return out[-1]
+
+    def _log_probs(self, hidden: Tensor) -> Tensor:
+        """[T, d] -> [T, draft_vocab] float32 log-probabilities."""
+        return torch.log_softmax(self.head.logits(hidden, self.lm_head).float(), dim=-1)
+
+    # ---- tree growth -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
+        if new_features is None or new_features.shape[0] == 0:
+            raise RuntimeError("the EAGLE drafter needs the target features of the newly committed positions")
+        root_hidden = self._catch_up(tokens, new_features)
+        grow = _TreeGrowth(self, int(tokens[-1]), root_hidden)
+        if self.mode == "static":
+            return grow.static(self.choices)
+        s = self.settings
+        if self.mode == "chain":
+            return grow.dynamic(total_tokens=s.depth + 1, depth=s.depth, top_k=1)
+        return grow.dynamic(total_tokens=s.total_tokens, depth=s.depth, top_k=s.top_k)
+
+
+class _TreeGrowth:
+    """One round of tree drafting. Candidate 0 is the root; every candidate has a parent, a target token id, a
+    path score (sum of draft log-probs), and, once expanded, a head-cache entry and an output hidden."""
+
+    def __init__(self, drafter: EagleDrafter, root_token: int, root_hidden: Tensor):
+        self.d = drafter
+        self.tokens = [root_token]
+        self.parents = [-1]
+        self.depths = [0]
+        self.scores = [0.0]
+        self.entry: dict[int, int] = {}  # candidate -> index of its entry among this round's head-cache rows
+        self.out_hidden: dict[int, Tensor] = {}  # candidate -> head output after consuming it ([d])
+        self.out_hidden[0] = root_hidden  # the root's children consume the last catch-up step's output
+        self.root_logp = drafter._log_probs(root_hidden[None])[0]  # [Vd]: root's children distribution
+
+    def _add(self, parent: int, token: int, score: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.scores.append(score)
+        return len(self.tokens) - 1
+
+    def _ancestors(self, node: int) -> list[int]:
+        out = []
+        while node > 0:
+            out.append(node)
+            node = self.parents[node]
+        return out
+
+    def _expand(self, nodes: list[int]) -> Tensor:
+        """Run the head on `nodes` (all at one depth), each consuming (parent's output hidden, its token) and
+        attending to the committed prefix plus its own ancestors' entries. Returns log-probs [len(nodes), Vd]."""
+        d = self.d
+        dev = d.cache.keys[0].device
+        committed, prior = d.cache.committed, len(d.cache) - d.cache.committed
+        k = len(nodes)
+        hidden = torch.stack([self.out_hidden[self.parents[n]] for n in nodes])  # [k, d]
+        ids = torch.tensor([self.tokens[n] for n in nodes], device=dev)
+        positions = torch.tensor([d.consumed + self.depths[n] - 1 for n in nodes], device=dev)
+        mask = torch.zeros(k, committed + prior + k, dtype=torch.bool, device=dev)
+        mask[:, :committed] = True
+        for row, n in enumerate(nodes):
+            for a in self._ancestors(self.parents[n]):
+                mask[row, committed + self.entry[a]] = True
+            mask[row, committed + prior + row] = True
+        out = d.head.step(hidden, d.embed_tokens(ids), positions, d.cache, mask)  # [k, d]
+        for row, n in enumerate(nodes):
+            self.entry[n] = prior + row
+            self.out_hidden[n] = out[row]
+        return d._log_probs(out)
+
+    def _top_children(self, logp: Tensor, k: int) -> tuple[list[int], list[float]]:
+        values, draft_ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+        return self.d.head.to_target_ids(draft_ids).tolist(), values.tolist()
+
+    def dynamic(self, total_tokens: int, depth: int, top_k: int) -> DraftTree:
+        """EAGLE-2: expand the top_k best-scoring frontier nodes per level, then keep the total_tokens - 1
+        best candidates overall (a child never outscores its parent, so they form a tree)."""
+        frontier = []
+        ids, vals = self._top_children(self.root_logp, top_k)
+        for t, v in zip(ids, vals):
+            frontier.append(self._add(0, t, v))
+        for _ in range(depth - 1):
+            logp = self._expand(frontier)  # [K, Vd]
+            children = []
+            for row, parent in enumerate(frontier):
+                ids, vals = self._top_children(logp[row], top_k)
+                for t, v in zip(ids, vals):
+                    children.append(self._add(parent, t, self.scores[parent] + v))
+            children.sort(key=lambda c: -self.scores[c])  # stable: earlier candidates win ties
+            frontier = children[:top_k]
+        return self._rerank(total_tokens - 1)
+
+    def static(self, choices: list[list[int]]) -> DraftTree:
+        """EAGLE-1: a fixed tree of top-k rank paths, grown level by level."""
+        node_of: dict[tuple[int, ...], int] = {(): 0}
+        max_depth = max(len(c) for c in choices)
+        for level in range(1, max_depth + 1):
+            level_choices = [c for c in choices if len(c) == level]
+            parents = sorted({node_of[tuple(c[:-1])] for c in level_choices})
+            if level == 1:
+                logps = {0: self.root_logp}
+            else:
+                out = self._expand(parents)
+                logps = {p: out[row] for row, p in enumerate(parents)}
+            ranked = {p: self._top_children(logps[p], 1 + max(c[-1] for c in level_choices
+                                                                 if node_of[tuple(c[:-1])] == p)) for p in parents}
+            for c in level_choices:
+                p = node_of[tuple(c[:-1])]
+                ids, vals = ranked[p]
+                if c[-1] < len(ids):
+                    node_of[tuple(c)] = self._add(p, ids[c[-1]], self.scores[p] + vals[c[-1]])
+        return self._rerank(len(self.tokens) - 1)
+
+    def _rerank(self, keep: int) -> DraftTree:
+        """The `keep` best candidates by path score (ties: earlier first), ordered by depth so parents precede
+        children, with the root in front."""
+        order = sorted(range(1, len(self.tokens)), key=lambda c: -self.scores[c])[:keep]
+        chosen = sorted(order, key=lambda c: (self.depths[c], -self.scores[c], c))
+        index = {0: 0}
+        for i, c in enumerate(chosen, start=1):
+            index[c] = i
+        parents = [-1] + [index[self.parents[c]] for c in chosen]
+        return DraftTree(
+            tokens=torch.tensor([self.tokens[0]] + [self.tokens[c] for c in chosen]),
+            parents=torch.tensor(parents),
+            scores=torch.tensor([0.0] + [self.scores[c] for c in chosen]),
+        )

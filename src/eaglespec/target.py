@@ -1,0 +1,171 @@
+"""Target adapter: the only module that touches transformers internals.
+
+`TargetModel` runs a transformers causal LM over (tokens, position ids, tree attention mask) on top of its KV
+cache of the committed prefix, returns logits and the features a draft head reads, and commits the accepted
+path (keeps those KV rows, drops the rest). It uses only public model entry points (`get_decoder()`,
+`lm_head`, a custom 4D attention mask, explicit `position_ids`, a `DynamicCache`) plus the cache layers'
+key/value tensors for the commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .errors import EagleSpecError
+
+FEATURE_KINDS = ("final", "eagle3")
+
+
+@dataclass
+class TargetOutput:
+    logits: Tensor  # [n, vocab] float32: next-token logits at every input position
+    features: Tensor | None  # [n, F]: "final": post-norm last hidden (F=d); "eagle3": 3 layers fused (F=3d)
+
+
+class TargetModel:
+    """A causal LM with a tree-aware KV cache. One sequence at a time (batch size 1)."""
+
+    def __init__(self, model, feature_kind: str | None = "final"):
+        if feature_kind not in (None, *FEATURE_KINDS):
+            raise ValueError(f"feature_kind must be one of {FEATURE_KINDS} or None")
+        self.model = model
+        self.config = model.config.get_text_config(decoder=True)
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.embed_tokens = model.get_input_embeddings()
+        self.feature_kind = feature_kind
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        layer_types = getattr(self.config, "layer_types", None) or []
+        window = getattr(self.config, "sliding_window", None)
+        # Models with sliding-window layers (Gemma 3, some Qwen2) get one mask per layer type.
+        self.sliding_window: int | None = window if window and "sliding_attention" in layer_types else None
+        self.softcap: float | None = getattr(self.config, "final_logit_softcapping", None)
+        self.reset()
+
+    # ---- shape facts -------------------------------------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 2048))
+
+    @property
+    def model_type(self) -> str:
+        return self.config.model_type
+
+    def eagle3_layers(self) -> tuple[int, int, int]:
+        """Indices into HF `hidden_states` (= inputs of these layers): low, middle, high."""
+        n = self.num_layers
+        return (min(2, n - 1), n // 2, max(n - 3, 0))
+
+    @property
+    def feature_size(self) -> int:
+        return self.hidden_size * (3 if self.feature_kind == "eagle3" else 1)
+
+    # ---- cache ---------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the committed prefix (start a new sequence)."""
+        from transformers import DynamicCache
+
+        # No config on purpose: every layer keeps all its rows, and sliding windows are applied by our mask,
+        # so a commit is a plain gather on every layer.
+        self.cache = DynamicCache()
+        self.cache_len = 0  # committed rows
+        self._pending = 0  # rows appended by the last forward, not yet committed
+
+    def commit(self, keep: Tensor | None = None) -> None:
+        """Keep the KV rows of nodes `keep` ([m] indices into the last forward's inputs, ascending order of
+        depth) and drop the other rows of that forward. `None` keeps them all (prefill, plain steps)."""
+        n = self._pending
+        if n == 0:
+            return
+        if keep is None or (keep.numel() == n and bool((keep.cpu() == torch.arange(n)).all())):
+            self.cache_len += n
+            self._pending = 0
+            return
+        rows = torch.cat([torch.arange(self.cache_len), self.cache_len + keep.cpu()]).to(self.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, rows)  # [1, kv_heads, cache_len + m, head_dim]
+            layer.values = layer.values.index_select(-2, rows)
+        self.cache_len += keep.numel()
+        self._pending = 0
+
+    # ---- forward -------------------------------------------------------------------------------------
+    def _attention_mask(self, positions: Tensor, tree_mask: Tensor | None):
+        """Additive float mask [1, 1, n, cache_len + n] (0 = attend, dtype-min = blocked), or a dict per layer
+        type for models with sliding-window layers."""
+        n = positions.numel()
+        if tree_mask is None:  # plain causal block
+            tree_mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
+        allowed = torch.cat([torch.ones(n, self.cache_len, dtype=torch.bool, device=self.device), tree_mask], dim=1)
+        blocked_value = torch.finfo(self.dtype).min
+
+        def additive(ok: Tensor) -> Tensor:
+            mask = torch.zeros(ok.shape, dtype=self.dtype, device=self.device)
+            return mask.masked_fill_(~ok, blocked_value)[None, None]
+
+        if self.sliding_window is None:
+            return additive(allowed)
+        key_positions = torch.cat([torch.arange(self.cache_len, device=self.device), positions])
+        in_window = (positions[:, None] - key_positions[None, :]) < self.sliding_window
+        return {"full_attention": additive(allowed), "sliding_attention": additive(allowed & in_window)}
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        tree_mask: Tensor | None = None,
+        logits_rows: Tensor | slice | None = None,
+    ) -> TargetOutput:
+        """Run the target on `tokens` [n] at `positions` [n] (default: consecutive after the prefix), where
+        `tree_mask` [n, n] bool says which of these tokens each one sees (default: causal). Every input also
+        sees the whole committed prefix. Call `commit` before the next forward."""
+        if self._pending:
+            raise RuntimeError("commit() the previous forward before running another one")
+        tokens = tokens.to(self.device)
+        n = tokens.numel()
+        if positions is None:
+            positions = torch.arange(self.cache_len, self.cache_len + n, device=self.device)
+        positions = positions.to(self.device)
+        if int(positions.max()) >= self.max_context:
+            raise EagleSpecError(
+                f"sequence reaches position {int(positions.max())}, beyond the model's context of {self.max_context}"
+            )
+        mask = self._attention_mask(positions, None if tree_mask is None else tree_mask.to(self.device))
+        want_layers = self.feature_kind == "eagle3"
+        out = self.decoder(
+            input_ids=tokens[None],
+            position_ids=positions[None],
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=want_layers,
+        )
+        self._pending = n
+        last = out.last_hidden_state[0]  # [n, d], after the final norm
+        rows = last if logits_rows is None else last[logits_rows]
+        logits = self.lm_head(rows).float()  # [rows, vocab]
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.feature_kind == "final":
+            features = last
+        elif want_layers:
+            features = torch.cat([out.hidden_states[i][0] for i in self.eagle3_layers()], dim=-1)  # [n, 3d]
+        else:
+            features = None
+        return TargetOutput(logits=logits, features=features)
