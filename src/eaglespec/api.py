@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .decode import Finished, GenerationStats, SpecDecoder, Step
-from .drafters import METHODS, Drafter, EagleDrafter, TreeSettings, VanillaDrafter
+from .drafters import HEAD_METHODS, METHODS, Drafter, EagleDrafter, TreeSettings, VanillaDrafter
 from .errors import EagleSpecError
 from .heads import DraftHead, check_head_fits, load_head
 from .models import DEFAULT_MODEL, load_target, parse_dtype, shipped_head_dir
@@ -45,13 +45,17 @@ class Engine:
         dtype: str | torch.dtype = "float32",
         tree: TreeSettings | None = None,
         device: str = "cpu",
+        draft_model: str | None = None,
     ):
         if method not in METHODS:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
+        if method == "sps" and not draft_model:
+            raise EagleSpecError("method 'sps' needs a smaller draft model sharing the tokenizer: pass --draft-model")
         hf_model, tokenizer = load_target(model, dtype=dtype, device=device)
         self.notice = ""
         head_module = None
-        if method != "vanilla":
+        self.draft_hf_model = load_target(draft_model, dtype=dtype, device=device)[0] if method == "sps" else None
+        if method in HEAD_METHODS:
             head_dir = shipped_head_dir(model) if head == "auto" else (Path(head) if head else None)
             if head_dir is None:
                 if head == "auto":
@@ -65,15 +69,18 @@ class Engine:
 
     @classmethod
     def from_model(cls, hf_model, tokenizer, head: DraftHead | None = None, method: str = "eagle2",
-                   tree: TreeSettings | None = None) -> "Engine":
-        """Wrap an already loaded transformers model (and optionally a head)."""
+                   tree: TreeSettings | None = None, draft_hf_model=None) -> "Engine":
+        """Wrap an already loaded transformers model (and optionally a head, or a draft model for sps)."""
         engine = cls.__new__(cls)
         engine.notice = ""
         if method not in METHODS:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
-        if method != "vanilla" and head is None:
+        if method in HEAD_METHODS and head is None:
             raise EagleSpecError(f"method '{method}' needs a draft head")
-        engine._setup(hf_model, tokenizer, head if method != "vanilla" else None, method, tree, "the head")
+        if method == "sps" and draft_hf_model is None:
+            raise EagleSpecError("method 'sps' needs a draft model")
+        engine.draft_hf_model = draft_hf_model
+        engine._setup(hf_model, tokenizer, head if method in HEAD_METHODS else None, method, tree, "the head")
         return engine
 
     def _setup(self, hf_model, tokenizer, head: DraftHead | None, method: str, tree: TreeSettings | None,
@@ -83,12 +90,22 @@ class Engine:
         self.tokenizer = tokenizer
         self.head = head
         self.method = method
+        self.decoder = SpecDecoder(self.target, tokenizer, self._make_drafter(method, head, tree, head_name))
+
+    def _make_drafter(self, method: str, head: DraftHead | None, tree: TreeSettings | None,
+                      head_name: str) -> Drafter:
         if head is not None:
             check_head_fits(head, self.target, head_name)
-            drafter: Drafter = EagleDrafter(head, self.target.embed_tokens, self.target.lm_head, MODES[method], tree)
-        else:
-            drafter = VanillaDrafter()
-        self.decoder = SpecDecoder(self.target, tokenizer, drafter)
+            return EagleDrafter(head, self.target.embed_tokens, self.target.lm_head, MODES[method], tree)
+        if method == "pld":
+            from .lookup import PromptLookupDrafter
+
+            return PromptLookupDrafter(tree)
+        if method == "sps":
+            from .sps import DraftModelDrafter
+
+            return DraftModelDrafter(self.draft_hf_model, tree)
+        return VanillaDrafter()
 
     @property
     def drafter(self) -> Drafter:

@@ -36,7 +36,9 @@ def model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--head", default="auto",
                    help="draft head folder (EAGLE / EAGLE-3 layout); 'auto' = the head shipped for --model")
     g.add_argument("--method", default="eagle2", choices=METHODS,
-                   help="eagle2 = dynamic tree, eagle1 = static tree, chain = top-1, vanilla = no draft")
+                   help="eagle2 = dynamic tree, eagle1 = static tree, chain = top-1, vanilla = no draft, "
+                        "pld = prompt lookup, sps = a smaller draft model (--draft-model)")
+    g.add_argument("--draft-model", default=None, help="sps: a smaller model sharing the target's tokenizer")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch (default: torch's)")
     g.add_argument("--total-tokens", type=_positive_int, default=16, help="EAGLE-2: tree nodes verified per step")
@@ -65,7 +67,8 @@ def build_engine(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     tree = TreeSettings(total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k)
-    engine = Engine(model=args.model, head=args.head, method=args.method, dtype=args.dtype, tree=tree)
+    engine = Engine(model=args.model, head=args.head, method=args.method, dtype=args.dtype, tree=tree,
+                    draft_model=args.draft_model)
     if engine.notice:
         print(f"note: {engine.notice}", file=sys.stderr)
     return engine

@@ -15,7 +15,8 @@ from .errors import EagleSpecError
 from .heads.base import DraftHead
 from .tree import EAGLE1_CHOICES, DraftTree, validate_choices
 
-METHODS = ("eagle2", "eagle1", "chain", "vanilla")
+METHODS = ("eagle2", "eagle1", "chain", "vanilla", "pld", "sps")
+HEAD_METHODS = ("eagle2", "eagle1", "chain")  # methods that draft with an EAGLE head
 
 
 class Drafter:
