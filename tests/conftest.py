@@ -7,6 +7,9 @@ import torch
 
 VOCAB = 96
 
+# Tiny models gain nothing from threads, and several test processes may share few cores.
+torch.set_num_threads(1)
+
 
 class TinyTokenizer:
     """Enough of a tokenizer for the decoding loop: token i decodes to a short word."""

@@ -120,8 +120,10 @@ class TextStream:
 class SpecDecoder:
     """Speculative decoding of one sequence at a time with any `Drafter`."""
 
-    def __init__(self, target: TargetModel, tokenizer, drafter: Drafter, eos_token_ids: list[int] | None = None):
+    def __init__(self, target: TargetModel, tokenizer, drafter: Drafter, eos_token_ids: list[int] | None = None,
+                 sample_verifier=verify_sample):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.sample_verifier = sample_verifier  # the acceptance rule for sampling (tests swap in broken ones)
         if eos_token_ids is None:
             eos_token_ids = eos_ids_of(target.model, tokenizer)
         self.eos = set(eos_token_ids)
@@ -198,7 +200,7 @@ class SpecDecoder:
             if sampling.greedy:
                 verdict = verify_greedy(tree, out.logits)
             else:
-                verdict = verify_sample(tree, target_probs(out.logits, sampling), gen)
+                verdict = self.sample_verifier(tree, target_probs(out.logits, sampling), gen)
             keep = torch.tensor(verdict.accepted)
             target.commit(keep)
             new_features = out.features[keep] if drafter.needs_features else None

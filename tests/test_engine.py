@@ -1,0 +1,122 @@
+"""Greedy speculative output equals vanilla greedy output, token for token (float32, tiny random models)."""
+
+import pytest
+import torch
+
+from eaglespec import Engine, TreeSettings
+from eaglespec.decode import SpecDecoder
+from eaglespec.heads import HeadConfig, build_head
+from eaglespec.target import TargetModel
+
+from conftest import VOCAB, TinyTokenizer, make_model
+from oracles import OracleChain, OracleTreeWithDecoys
+
+PROMPTS = [[5, 17, 33, 2, 9, 40], [1, 2, 3], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73], [88]]
+
+
+def random_head(model, kind, seed=1):
+    torch.manual_seed(seed)
+    target = TargetModel(model)
+    extra = {"draft_vocab_size": 48} if kind == "eagle3" else {}
+    head = build_head(HeadConfig.for_target(target, kind, **extra)).eval()
+    if kind == "eagle3":
+        head.set_vocab(torch.randperm(VOCAB)[:48])
+    return head
+
+
+def vanilla_tokens(model, prompt, n):
+    return Engine.from_model(model, TinyTokenizer(), method="vanilla").generate(prompt, max_new_tokens=n).tokens
+
+
+def test_vanilla_loop_equals_transformers_generate():
+    model = make_model("llama")
+    prompt = PROMPTS[0]
+    ours = vanilla_tokens(model, prompt, 30)
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, min_new_tokens=30)
+    assert ours == hf[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle2", "eagle1", "chain"])
+def test_random_head_greedy_equals_vanilla(arch, kind, method):
+    model = make_model(arch)
+    engine = Engine.from_model(model, TinyTokenizer(), head=random_head(model, kind), method=method,
+                               tree=TreeSettings(total_tokens=12, depth=4, top_k=3))
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, max_new_tokens=24)
+        assert result.tokens == vanilla_tokens(model, prompt, 24), (arch, kind, method, prompt)
+        assert result.stats.new_tokens == 24
+        assert 1.0 <= result.stats.tau <= 5.0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("depth", [1, 3, 6])
+def test_oracle_chain_accepts_everything(arch, depth):
+    model = make_model(arch)
+    prompt, n = PROMPTS[0], 1 + 5 * (depth + 1)  # 1 token from the prefill, then 5 full steps
+    reference = vanilla_tokens(model, prompt, n + depth + 1)
+    decoder = SpecDecoder(TargetModel(model, feature_kind=None), TinyTokenizer(),
+                          OracleChain(len(prompt), reference, depth), eos_token_ids=[])
+    *_, finished = decoder.stream(prompt, max_new_tokens=n)
+    assert finished.tokens == reference[:n]
+    assert finished.stats.tau == depth + 1
+    assert finished.stats.accept_lengths == [depth + 1] * 5
+    assert finished.stats.acceptance_per_depth() == [1.0] * depth
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_oracle_tree_with_decoys_finds_the_true_branch(arch):
+    model = make_model(arch)
+    prompt, depth, n = PROMPTS[2], 4, 1 + 6 * 5
+    reference = vanilla_tokens(model, prompt, n + depth + 1)
+    decoder = SpecDecoder(TargetModel(model, feature_kind=None), TinyTokenizer(),
+                          OracleTreeWithDecoys(len(prompt), reference, depth, VOCAB), eos_token_ids=[])
+    *_, finished = decoder.stream(prompt, max_new_tokens=n)
+    assert finished.tokens == reference[:n]
+    assert finished.stats.accept_lengths == [depth + 1] * 6
+
+
+def test_many_prompts_eagle2_equals_vanilla():
+    model = make_model("qwen2", seed=3)
+    engine = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle1", seed=4), method="eagle2",
+                               tree=TreeSettings(total_tokens=8, depth=3, top_k=2))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        prompt = torch.randint(0, VOCAB, (int(torch.randint(1, 30, (1,), generator=gen)),), generator=gen).tolist()
+        assert engine.generate(prompt, max_new_tokens=12).tokens == vanilla_tokens(model, prompt, 12), prompt
+
+
+def test_eos_and_max_new_tokens_are_honoured():
+    model = make_model("llama")
+    prompt = PROMPTS[0]
+    reference = vanilla_tokens(model, prompt, 20)
+    eos = reference[7]
+    first = reference.index(eos)
+    decoder = SpecDecoder(TargetModel(model, feature_kind=None), TinyTokenizer(),
+                          OracleChain(len(prompt), reference, 4), eos_token_ids=[eos])
+    *_, finished = decoder.stream(prompt, max_new_tokens=20)
+    assert finished.tokens == reference[: first + 1]
+    assert finished.stats.finish_reason == "stop"
+    decoder.eos = set()
+    *_, finished = decoder.stream(prompt, max_new_tokens=9)
+    assert finished.tokens == reference[:9] and finished.stats.finish_reason == "length"
+
+
+def test_stop_string_truncates_text_and_stream_pieces_add_up():
+    model = make_model("llama")
+    prompt = PROMPTS[0]
+    reference = vanilla_tokens(model, prompt, 20)
+    stop = f"<{reference[5]}><{reference[6]}>"
+    engine = Engine.from_model(model, TinyTokenizer(), method="vanilla")
+    pieces, finished = [], None
+    for item in engine.stream(prompt, max_new_tokens=20, stop=[stop]):
+        if hasattr(item, "stats"):
+            finished = item
+        else:
+            pieces.append(item.text)
+    full = TinyTokenizer().decode(reference)
+    assert finished.text == full[: full.index(stop)]
+    assert "".join(pieces) == finished.text
+    assert finished.stats.finish_reason == "stop"
