@@ -1,0 +1,149 @@
+"""`eaglespec bench` (run a benchmark into a folder) and `eaglespec bench report DIR` (rebuild its report)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from ..errors import EagleSpecError
+
+DEFAULT_METHODS = "all"
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def register(subparsers, model_options, sampling_options) -> None:
+    p = subparsers.add_parser(
+        "bench", help="benchmark our methods and peers on MT-bench, HumanEval or a JSONL prompt file",
+        description="Time every method on the same prompts in one process; write results.jsonl, summary.md and "
+                    "plots to --out. `eaglespec bench report DIR` rebuilds summary.md and plots from DIR.")
+    g = p.add_argument_group("benchmark")
+    g.add_argument("--dataset", default="mt-bench",
+                   help="mt-bench, humaneval, or a .jsonl file with question_id, category, turns (default mt-bench)")
+    g.add_argument("--methods", default=None,
+                   help="comma-separated: vanilla, eagle2, eagle1, chain, eagle3, pld, sps, hf, hf-pld, hf-assisted, "
+                        "llamacpp; 'all' (default) = every one that can run here. vanilla is always included")
+    g.add_argument("--limit", type=int, default=None, help="first N questions (after --categories)")
+    g.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
+    g.add_argument("--categories", type=_csv, default=None, help="comma-separated categories to keep")
+    g.add_argument("--turns", type=int, default=None, help="answer only the first N turns of each question")
+    g.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and method (median kept)")
+    g.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method")
+    g.add_argument("--sweep", default=None, help="tree setting sweep, e.g. total_tokens=8,16,32")
+    g.add_argument("--head3", default="auto", help="EAGLE-3 head folder for the eagle3 method ('auto' = shipped)")
+    g.add_argument("--out", default=None, help="output folder (default bench-DATASET-TIME)")
+    g.add_argument("--force", action="store_true", help="overwrite an existing results.jsonl in --out")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    model_options(p)
+    sampling_options(p)
+    # bench takes a list (--methods); a lone --method X is read as --methods X. 128 new tokens by default.
+    p.set_defaults(func=cmd_bench, method=None, max_new_tokens=128)
+    sub = p.add_subparsers(dest="bench_command")
+    r = sub.add_parser("report", help="rebuild summary.md and plots of a bench folder from its results.jsonl")
+    r.add_argument("dir", help="the --out folder of a bench run")
+    r.add_argument("--no-plots", action="store_true")
+    r.set_defaults(func=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    for path in write_report(args.dir, plots=not args.no_plots):
+        print(path)
+    return 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("limit", "per_category", "turns", "repeats"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise EagleSpecError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.warmup < 0:
+        raise EagleSpecError("--warmup must be 0 or more")
+    if args.max_new_tokens < 1:
+        raise EagleSpecError("--max-new-tokens must be at least 1")
+    if args.stop:
+        raise EagleSpecError("bench does not take --stop: every method stops at end-of-sequence or the length limit")
+    if args.method and args.methods:
+        raise EagleSpecError("give either --methods or --method, not both")
+
+
+def _head_dirs(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
+    from ..models import shipped_head_dir
+
+    head = shipped_head_dir(args.model, "eagle1") if args.head == "auto" else Path(args.head)
+    head3 = shipped_head_dir(args.model, "eagle3") if args.head3 == "auto" else Path(args.head3)
+    for folder, flag in ((head, "--head"), (head3, "--head3")):
+        if folder is not None and not (folder / "config.json").is_file():
+            raise EagleSpecError(f"{flag} '{folder}' is not a draft head folder (no config.json)")
+    return head, head3
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..decode import eos_ids_of
+    from ..drafters import TreeSettings
+    from ..models import load_target, parse_dtype
+    from .datasets import load_questions, select
+    from .methods import MethodContext, Sampling, build_methods, parse_methods, parse_sweep, unavailable_reason
+    from .report import write_report
+    from .runner import RESULTS, BenchConfig, run_benchmark
+
+    _check(args)
+    requested = args.methods or args.method or DEFAULT_METHODS
+    names = parse_methods(requested)
+    sweep = parse_sweep(args.sweep)
+    questions = select(load_questions(args.dataset), args.categories, args.limit, args.per_category, args.turns)
+    out = Path(args.out) if args.out else Path(f"bench-{Path(args.dataset).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if (out / RESULTS).exists() and not args.force:
+        raise EagleSpecError(f"'{out / RESULTS}' exists: pick another --out or pass --force")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tree = TreeSettings(total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k)
+    head, head3 = _head_dirs(args)
+
+    model, tokenizer = load_target(args.model, dtype=args.dtype)
+    draft = load_target(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
+    ctx = MethodContext(model=model, tokenizer=tokenizer, model_name=args.model, tree=tree, head_dir=head,
+                        head3_dir=head3, draft_model=draft, dtype=parse_dtype(args.dtype),
+                        threads=torch.get_num_threads(), eos_ids=eos_ids_of(model, tokenizer))
+    if requested.strip() == "all":
+        skipped = [(n, unavailable_reason(n, ctx)) for n in names]
+        for n, reason in skipped:
+            if reason:
+                print(f"note: skipping {n}: {reason}", file=sys.stderr)
+        names = [n for n, reason in skipped if not reason]
+    methods = build_methods(names, ctx, sweep)
+    engine = methods[0].engine  # vanilla: its tokenizer handling turns chat messages into prompt ids
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+
+    def encode(messages: list[dict]) -> list[int]:
+        if has_template:
+            return engine.encode(messages)
+        return engine.encode("\n\n".join(m["content"] for m in messages), chat=False)
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    config = BenchConfig(
+        dataset=args.dataset, max_new_tokens=args.max_new_tokens,
+        sampling=Sampling(args.temperature, args.top_p, args.top_k, args.seed), repeats=args.repeats,
+        warmup=args.warmup, system=args.system,
+        settings={"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+                  "tree": {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k},
+                  "sweep": args.sweep, "head": str(head) if head else None, "head3": str(head3) if head3 else None,
+                  "draft_model": args.draft_model, "categories": args.categories, "limit": args.limit,
+                  "per_category": args.per_category, "turns": args.turns},
+    )
+    print(f"bench: {len(questions)} questions, methods {', '.join(m.name for m in methods)} -> {out}",
+          file=sys.stderr)
+    run_benchmark(methods, questions, encode, decode, config, out, progress=not args.no_progress,
+                  command=["eaglespec"] + sys.argv[1:])
+    for path in write_report(out):
+        print(path)
+    return 0

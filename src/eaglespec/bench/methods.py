@@ -1,0 +1,313 @@
+"""Everything the benchmark can time, behind one interface: `BenchMethod.generate(prompt_ids, ...) -> RunOutput`.
+
+- In-loop methods (`kind="ours"`): vanilla, eagle2, eagle1, chain, eagle3, pld, sps, each an `Engine` over the
+  same loaded transformers model, so only the drafter differs.
+- Peers (`kind="peer"`): transformers `generate` (hf: plain greedy/sampling; hf-pld: prompt lookup; hf-assisted:
+  a draft model) on the same model object, and llama.cpp (`llamacpp`) on the GGUF file of the same model.
+
+Every method gets the same prompt token ids and returns the new token ids cut after the first end-of-sequence
+token (which is counted), so token counts mean the same thing everywhere. Wall time is measured here, around the
+whole call (prefill included, tokenisation excluded).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..drafters import TreeSettings
+from ..errors import EagleSpecError, MissingPackageError
+
+LOOP_METHODS = ("vanilla", "eagle2", "eagle1", "chain", "eagle3", "pld", "sps")
+PEER_METHODS = ("hf", "hf-pld", "hf-assisted", "llamacpp")
+ALL_METHODS = LOOP_METHODS + PEER_METHODS
+TREE_KEYS = ("total_tokens", "depth", "top_k")
+# Which in-loop methods a swept tree setting changes (the others run once, unswept).
+SWEEP_AFFECTS = {
+    "total_tokens": ("eagle2", "eagle3"),
+    "depth": ("eagle2", "eagle3", "chain", "pld", "sps"),
+    "top_k": ("eagle2", "eagle3"),
+}
+HF_PLD_TOKENS = 10  # transformers' documented prompt_lookup_num_tokens example value
+LLAMA_CPP_PIP = "pip install llama-cpp-python"
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+@dataclass
+class RunOutput:
+    """One timed generation."""
+
+    tokens: list[int]  # new tokens, up to and including the first EOS
+    wall_time: float  # seconds, whole call
+    tau: float | None = None  # tokens per target forward (bonus included); None when the method cannot tell
+    target_forwards: int | None = None
+    drafted_per_depth: list[int] | None = None
+    accepted_per_depth: list[int] | None = None
+    accept_lengths: list[int] | None = None
+    prefill_time: float | None = None
+    draft_time: float | None = None
+    verify_time: float | None = None
+
+
+@dataclass
+class BenchMethod:
+    """A named way to generate. `name` labels rows (e.g. "eagle2" or "eagle2@total_tokens=8" in a sweep);
+    `method` is the base method; `settings` describes its configuration for the run record."""
+
+    name: str
+    method: str
+    kind: str  # "ours" or "peer"
+    settings: dict = field(default_factory=dict)
+    sweep: dict | None = None  # {tree key: value} for sweep variants
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling) -> RunOutput:
+        raise NotImplementedError
+
+
+def cut_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, tok in enumerate(tokens):
+        if tok in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+class LoopMethod(BenchMethod):
+    """One of our methods: an `Engine` around the shared model."""
+
+    def __init__(self, name: str, method: str, engine, settings: dict, sweep: dict | None = None):
+        super().__init__(name, method, "ours", settings, sweep)
+        self.engine = engine
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling) -> RunOutput:
+        t0 = time.perf_counter()
+        result = self.engine.generate(list(prompt_ids), max_new_tokens=max_new_tokens,
+                                      temperature=sampling.temperature, top_p=sampling.top_p,
+                                      top_k=sampling.top_k, seed=sampling.seed)
+        wall = time.perf_counter() - t0
+        s = result.stats
+        return RunOutput(tokens=list(result.tokens), wall_time=wall, tau=s.tau, target_forwards=s.target_forwards,
+                         drafted_per_depth=list(s.drafted_per_depth), accepted_per_depth=list(s.accepted_per_depth),
+                         accept_lengths=list(s.accept_lengths), prefill_time=s.prefill_time,
+                         draft_time=s.draft_time, verify_time=s.verify_time)
+
+
+class HFMethod(BenchMethod):
+    """transformers `generate` on the same model: plain, prompt lookup, or assisted by a draft model."""
+
+    def __init__(self, method: str, model, eos_ids: list[int], draft_model=None):
+        settings: dict = {"backend": "transformers generate"}
+        if method == "hf-pld":
+            settings["prompt_lookup_num_tokens"] = HF_PLD_TOKENS
+        if method == "hf-assisted":
+            if draft_model is None:
+                raise EagleSpecError("method 'hf-assisted' needs a draft model: pass --draft-model")
+            settings["assistant"] = getattr(draft_model.config, "_name_or_path", "") or "draft model"
+        super().__init__(method, method, "peer", settings)
+        self.model, self.draft_model, self.eos_ids = model, draft_model, sorted(eos_ids)
+
+    def _config(self, max_new_tokens: int, sampling: Sampling):
+        from transformers import GenerationConfig
+
+        options = dict(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy,
+                       eos_token_id=self.eos_ids or None, pad_token_id=self.eos_ids[0] if self.eos_ids else 0)
+        if not sampling.greedy:
+            options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+        else:
+            options.update(temperature=None, top_p=None, top_k=None)
+        if self.method == "hf-pld":
+            options["prompt_lookup_num_tokens"] = HF_PLD_TOKENS
+        return GenerationConfig(**options)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling) -> RunOutput:
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([prompt_ids], device=device)
+        config = self._config(max_new_tokens, sampling)
+        extra = {"assistant_model": self.draft_model} if self.method == "hf-assisted" else {}
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        t0 = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **extra)
+        wall = time.perf_counter() - t0
+        tokens = out[0, len(prompt_ids):].tolist()
+        return RunOutput(tokens=cut_after_eos(tokens, set(self.eos_ids)), wall_time=wall)
+
+
+class LlamaCppMethod(BenchMethod):
+    """llama.cpp through llama-cpp-python, on the GGUF file of the same model, with the same thread count."""
+
+    def __init__(self, gguf_path: Path, threads: int, eos_ids: list[int], n_ctx: int = 4096):
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise MissingPackageError("the llamacpp peer (package llama-cpp-python)", LLAMA_CPP_PIP)
+        from llama_cpp import Llama
+
+        super().__init__("llamacpp", "llamacpp", "peer",
+                         {"backend": "llama.cpp", "gguf": Path(gguf_path).name, "threads": threads, "n_ctx": n_ctx})
+        self.llm = Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                         verbose=False)
+        self.eos = set(eos_ids) | {int(self.llm.token_eos())}
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling) -> RunOutput:
+        if len(prompt_ids) + max_new_tokens > self.llm.n_ctx():
+            raise EagleSpecError(f"llamacpp: prompt + max_new_tokens exceeds its context of {self.llm.n_ctx()}")
+        if sampling.greedy:
+            options = dict(top_k=1, top_p=1.0, min_p=0.0, temp=0.0)
+        else:
+            options = dict(top_k=sampling.top_k or 0, top_p=sampling.top_p, min_p=0.0, temp=sampling.temperature)
+            if sampling.seed is not None:
+                self.llm.set_seed(sampling.seed)
+        tokens: list[int] = []
+        t0 = time.perf_counter()
+        self.llm.reset()  # no prompt-prefix reuse between runs: every run pays its prefill, like the others
+        for tok in self.llm.generate(list(prompt_ids), reset=True, repeat_penalty=1.0, **options):
+            tokens.append(int(tok))
+            if tok in self.eos or len(tokens) >= max_new_tokens:
+                break
+        wall = time.perf_counter() - t0
+        return RunOutput(tokens=tokens, wall_time=wall)
+
+
+@dataclass
+class MethodContext:
+    """What the methods are built from."""
+
+    model: object  # transformers causal LM (the target)
+    tokenizer: object
+    model_name: str  # registry name or path (for llama.cpp's GGUF file)
+    tree: TreeSettings
+    head_dir: Path | None = None  # EAGLE head for eagle2 / eagle1 / chain
+    head3_dir: Path | None = None  # EAGLE-3 head for eagle3
+    draft_model: object | None = None  # sps and hf-assisted
+    dtype: torch.dtype = torch.float32
+    threads: int = 1
+    eos_ids: list[int] = field(default_factory=list)
+
+
+def parse_methods(text: str) -> list[str]:
+    """'vanilla,eagle2' -> ['vanilla', 'eagle2']; 'all' -> every method. Unknown names are an error."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise EagleSpecError("--methods is empty: give a comma-separated list, e.g. vanilla,eagle2,pld,hf")
+    if names == ["all"]:
+        return list(ALL_METHODS)
+    unknown = [n for n in names if n not in ALL_METHODS]
+    if unknown:
+        raise EagleSpecError(f"unknown method '{unknown[0]}'; choose from {', '.join(ALL_METHODS)} (or 'all')")
+    seen: list[str] = []
+    for n in names:
+        if n not in seen:
+            seen.append(n)
+    return seen
+
+
+def unavailable_reason(method: str, ctx: MethodContext) -> str | None:
+    """Why `method` cannot run with this context, or None when it can."""
+    if method in ("eagle2", "eagle1", "chain") and ctx.head_dir is None:
+        return "no EAGLE draft head (pass --head DIR, or wait for a shipped head)"
+    if method == "eagle3" and ctx.head3_dir is None:
+        return "no EAGLE-3 head (pass --head3 DIR)"
+    if method in ("sps", "hf-assisted") and ctx.draft_model is None:
+        return "no draft model (pass --draft-model)"
+    if method == "llamacpp":
+        if importlib.util.find_spec("llama_cpp") is None:
+            return f"llama-cpp-python is not installed ({LLAMA_CPP_PIP})"
+        if _gguf_of(ctx.model_name) is None:
+            return "the model is not a GGUF file, so llama.cpp cannot load the same weights"
+    return None
+
+
+def _gguf_of(model_name: str) -> Path | None:
+    from ..models import resolve_model
+
+    try:
+        folder, gguf = resolve_model(model_name)
+    except EagleSpecError:
+        return None
+    return folder / gguf if gguf else None
+
+
+def parse_sweep(text: str | None) -> tuple[str, list[int]] | None:
+    """'total_tokens=8,16,32' -> ('total_tokens', [8, 16, 32])."""
+    if not text:
+        return None
+    key, sep, values = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or key not in TREE_KEYS:
+        raise EagleSpecError(f"--sweep must look like KEY=V1,V2,... with KEY one of {', '.join(TREE_KEYS)}; "
+                             f"got '{text}'")
+    try:
+        numbers = [int(v) for v in values.split(",") if v.strip()]
+    except ValueError:
+        raise EagleSpecError(f"--sweep values must be integers, got '{values}'") from None
+    if not numbers:
+        raise EagleSpecError("--sweep needs at least one value")
+    for v in numbers:
+        TreeSettings(**{**_tree_dict(TreeSettings()), key: v})  # validates the range
+    return key, list(dict.fromkeys(numbers))
+
+
+def _tree_dict(tree: TreeSettings) -> dict:
+    return {k: getattr(tree, k) for k in TREE_KEYS}
+
+
+def _load_head(folder: Path, dtype: torch.dtype):
+    from ..heads import load_head
+
+    return load_head(folder, dtype=dtype)
+
+
+def build_methods(names: list[str], ctx: MethodContext, sweep: tuple[str, list[int]] | None = None) -> list[BenchMethod]:
+    """Method objects for `names` (vanilla is always included, first: it is the speedup denominator and the
+    reference output). A swept tree setting turns each method it affects into one variant per value."""
+    from ..api import Engine
+
+    names = ["vanilla"] + [n for n in names if n != "vanilla"]
+    for n in names:
+        reason = unavailable_reason(n, ctx)
+        if reason:
+            raise EagleSpecError(f"method '{n}' cannot run: {reason}")
+    heads: dict[str, object] = {}
+    methods: list[BenchMethod] = []
+    for name in names:
+        if name in PEER_METHODS:
+            if name == "llamacpp":
+                methods.append(LlamaCppMethod(_gguf_of(ctx.model_name), ctx.threads, ctx.eos_ids))
+            else:
+                methods.append(HFMethod(name, ctx.model, ctx.eos_ids, ctx.draft_model))
+            continue
+        head = None
+        if name in ("eagle2", "eagle1", "chain", "eagle3"):
+            folder = ctx.head3_dir if name == "eagle3" else ctx.head_dir
+            if str(folder) not in heads:
+                heads[str(folder)] = _load_head(folder, ctx.dtype)
+            head = heads[str(folder)]
+        engine_method = "eagle2" if name == "eagle3" else name
+        values = sweep[1] if sweep and name in SWEEP_AFFECTS[sweep[0]] else [None]
+        for value in values:
+            tree = ctx.tree if value is None else TreeSettings(**{**_tree_dict(ctx.tree), sweep[0]: value})
+            engine = Engine.from_model(ctx.model, ctx.tokenizer, head=head, method=engine_method, tree=tree,
+                                       draft_hf_model=ctx.draft_model if name == "sps" else None)
+            settings = {"tree": _tree_dict(tree)} if name != "vanilla" else {}
+            if head is not None:
+                settings["head"] = str(ctx.head3_dir if name == "eagle3" else ctx.head_dir)
+                settings["head_kind"] = head.config.kind
+            if name == "sps":
+                settings["draft_model"] = getattr(ctx.draft_model.config, "_name_or_path", "") or "draft model"
+            label = name if value is None else f"{name}@{sweep[0]}={value}"
+            methods.append(LoopMethod(label, name, engine, settings, None if value is None else {sweep[0]: value}))
+    return methods

