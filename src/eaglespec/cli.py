@@ -57,6 +57,24 @@ def sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--system", default=None, help="system message for the chat template")
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """Reject bad options before any model is loaded (loading takes seconds)."""
+    from pathlib import Path
+
+    from .decode import MAX_NEW_TOKENS_LIMIT
+    from .verify import SamplingParams
+
+    if hasattr(args, "temperature"):
+        SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+            raise EagleSpecError(f"--max-new-tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, "
+                                 f"got {args.max_new_tokens}")
+    if args.head not in ("auto", None, "") and not (Path(args.head) / "config.json").is_file():
+        raise EagleSpecError(f"--head '{args.head}' is not a head folder (no config.json there)")
+    if getattr(args, "prompt", None) is not None and not args.prompt.strip():
+        raise EagleSpecError("the prompt is empty: give some text, e.g. eaglespec generate \"Hello\"")
+
+
 def build_engine(args: argparse.Namespace):
     """An Engine from the shared options; prints a notice when it had to fall back to vanilla."""
     import torch
@@ -64,6 +82,7 @@ def build_engine(args: argparse.Namespace):
     from .api import Engine
     from .drafters import TreeSettings
 
+    check_options(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     tree = TreeSettings(total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k)

@@ -1,0 +1,135 @@
+"""Head checkpoints: save/load round trip, official key names, and clear errors for bad files."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eaglespec.errors import CheckpointError, HeadMismatchError
+from eaglespec.heads import HeadConfig, build_head, check_head_fits, load_head, save_head
+from eaglespec.heads.layer import KVCache
+from eaglespec.target import TargetModel
+
+from conftest import make_model
+
+EAGLE1_KEYS = {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
+               "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
+               "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight",
+               "layers.0.post_attention_layernorm.weight"}
+EAGLE3_KEYS = {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+               "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight",
+               "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "midlayer.hidden_norm.weight",
+               "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight", "norm.weight",
+               "lm_head.weight", "d2t", "t2d"}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return TargetModel(make_model("llama"))
+
+
+def make_head(target, kind):
+    torch.manual_seed(0)
+    head = build_head(HeadConfig.for_target(target, kind, name="tiny", draft_vocab_size=40)).eval()
+    if kind == "eagle3":
+        head.set_vocab(torch.arange(0, 80, 2))
+    return head
+
+
+def head_outputs(head, target):
+    hidden = torch.randn(5, target.hidden_size, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([1, 2, 3, 4, 5])
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    out = head.step(head.lift(torch.cat([hidden] * (3 if head.config.kind == "eagle3" else 1), -1)),
+                    target.embed_tokens(ids), torch.arange(5), KVCache(), mask)
+    return head.logits(out, target.lm_head)
+
+
+@pytest.mark.parametrize("kind, keys", [("eagle1", EAGLE1_KEYS), ("eagle3", EAGLE3_KEYS)])
+def test_round_trip_official_layout(tmp_path, target, kind, keys):
+    head = make_head(target, kind)
+    folder = save_head(head, tmp_path / kind)
+    assert set(load_file(str(folder / "model.safetensors"))) == keys
+    config = json.loads((folder / "config.json").read_text())
+    assert config["hidden_size"] == target.hidden_size and config["num_hidden_layers"] == 1
+    assert ("draft_vocab_size" in config) == (kind == "eagle3")
+    loaded = load_head(folder)
+    with torch.no_grad():
+        assert torch.equal(head_outputs(head, target), head_outputs(loaded, target))
+    if kind == "eagle3":
+        assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
+        draft_ids = torch.arange(40)
+        assert torch.equal(loaded.to_target_ids(draft_ids), torch.arange(0, 80, 2))
+    check_head_fits(loaded, target)
+
+
+def test_official_checkpoint_with_embedding_and_bin_weights(tmp_path, target):
+    """Official EAGLE-1 folders may ship `embed_tokens.weight` and a pytorch_model.bin: both load."""
+    head = make_head(target, "eagle1")
+    folder = tmp_path / "official"
+    folder.mkdir()
+    config = head.config.to_json()
+    del config["eaglespec"]
+    (folder / "config.json").write_text(json.dumps(config))
+    state = dict(head.state_dict(), **{"embed_tokens.weight": torch.zeros(96, target.hidden_size)})
+    torch.save(state, folder / "pytorch_model.bin")
+    loaded = load_head(folder)
+    assert loaded.config.kind == "eagle1"
+    with torch.no_grad():
+        assert torch.equal(head_outputs(head, target), head_outputs(loaded, target))
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        load_head(tmp_path)
+
+
+def test_missing_weights(tmp_path, target):
+    folder = save_head(make_head(target, "eagle1"), tmp_path / "h")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no head weights"):
+        load_head(folder)
+
+
+def test_wrong_shapes_and_missing_keys(tmp_path, target):
+    folder = save_head(make_head(target, "eagle1"), tmp_path / "h")
+    state = load_file(str(folder / "model.safetensors"))
+    state["fc.weight"] = torch.zeros(3, 3)
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="fc.weight"):
+        load_head(folder)
+    del state["fc.weight"]
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="missing"):
+        load_head(folder)
+
+
+def test_nan_weights_are_corrupt(tmp_path, target):
+    folder = save_head(make_head(target, "eagle1"), tmp_path / "h")
+    state = load_file(str(folder / "model.safetensors"))
+    state["fc.weight"][0, 0] = float("nan")
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="NaN"):
+        load_head(folder)
+
+
+def test_bad_json(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_head(tmp_path)
+
+
+def test_mismatch_names_the_difference(target):
+    other = TargetModel(make_model("qwen2", layers=3))
+    head = make_head(other, "eagle1")
+    with pytest.raises(HeadMismatchError, match="architecture qwen2.*3 target layers"):
+        check_head_fits(head, target)
+
+
+def test_bfloat16_save_halves_the_size(tmp_path, target):
+    head = make_head(target, "eagle1")
+    a = save_head(head, tmp_path / "f32") / "model.safetensors"
+    b = save_head(head, tmp_path / "bf16", dtype=torch.bfloat16) / "model.safetensors"
+    assert b.stat().st_size < 0.6 * a.stat().st_size
+    assert load_head(b.parent).fc.weight.dtype == torch.float32

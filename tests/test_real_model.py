@@ -1,0 +1,58 @@
+"""The real SmolLM2-135M-Instruct (the embedded default): speculative greedy equals vanilla greedy."""
+
+import pytest
+import torch
+
+from eaglespec import Engine, TreeSettings
+from eaglespec.heads import HeadConfig, build_head, load_head
+from eaglespec.models import load_target, shipped_head_dir
+from eaglespec.target import TargetModel
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain what a binary search does, step by step.",
+    "Give me three tips for staying focused while studying.",
+    "Write a Python function that reverses a string.",
+]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    torch.set_num_threads(2)
+    model, tokenizer = load_target("smollm2-135m", dtype="float32")
+    yield model, tokenizer
+    torch.set_num_threads(1)
+
+
+def _head(model):
+    """The shipped head when there is one (high acceptance), else a random one (almost nothing accepted)."""
+    folder = shipped_head_dir("smollm2-135m")
+    if folder is not None:
+        return load_head(folder)
+    torch.manual_seed(0)
+    return build_head(HeadConfig.for_target(TargetModel(model), "eagle1")).eval()
+
+
+def test_registry_model_loads_with_chat_template(smol):
+    model, tokenizer = smol
+    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
+    engine = Engine.from_model(model, tokenizer, method="vanilla")
+    ids = engine.encode("Hello!")
+    assert tokenizer.decode(ids).startswith("<|im_start|>system")
+    assert engine.encode("Hello!", chat=False) == tokenizer("Hello!")["input_ids"]
+
+
+def test_speculative_greedy_equals_vanilla_on_chat_prompts(smol):
+    model, tokenizer = smol
+    vanilla = Engine.from_model(model, tokenizer, method="vanilla")
+    spec = Engine.from_model(model, tokenizer, head=_head(model), method="eagle2",
+                             tree=TreeSettings(total_tokens=16, depth=5, top_k=4))
+    for prompt in PROMPTS:
+        want = vanilla.generate(prompt, max_new_tokens=128)
+        got = spec.generate(prompt, max_new_tokens=128)
+        assert got.tokens == want.tokens, prompt
+        assert got.text == want.text
+        assert got.stats.tau >= 1.0
