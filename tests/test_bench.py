@@ -297,3 +297,18 @@ def test_cli_end_to_end_on_the_default_model(tmp_path, capsys):
     assert info["settings"]["model"] == "smollm2-135m" and info["settings"]["threads"] == 2
     assert main(argv) == 2  # refuses to overwrite without --force
     assert "--force" in capsys.readouterr().err
+
+
+def test_every_method_counts_tokens_up_to_and_including_eos(tmp_path):
+    model, tok = make_model("llama", seed=5), TinyTokenizer()
+    ctx = MethodContext(model=model, tokenizer=tok, model_name="tiny", tree=TreeSettings(8, 3, 2))
+    ids = encode([{"role": "user", "content": QUESTIONS[0].turns[0]}])
+    free = build_methods([], ctx)[0].generate(ids, 10, Sampling()).tokens
+    cut = next(i for i in range(1, len(free)) if free[i] not in free[:i])  # first new token after the first
+    eos = free[cut]
+    model.generation_config.eos_token_id = eos  # both our loop and transformers read it from here
+    ctx.eos_ids = eos_ids_of(model, tok)
+    assert ctx.eos_ids == [eos]
+    for m in build_methods(["pld", "hf", "hf-pld"], ctx):
+        out = m.generate(ids, 10, Sampling())
+        assert out.tokens == free[: cut + 1], m.name

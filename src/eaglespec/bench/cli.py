@@ -27,7 +27,7 @@ def register(subparsers, model_options, sampling_options) -> None:
     g.add_argument("--methods", default=None,
                    help="comma-separated: vanilla, eagle2, eagle1, chain, eagle3, pld, sps, hf, hf-pld, hf-assisted, "
                         "llamacpp; 'all' (default) = every one that can run here. vanilla is always included")
-    g.add_argument("--limit", type=int, default=None, help="first N questions (after --categories)")
+    g.add_argument("--limit", type=int, default=None, help="first N questions (after --categories and --per-category)")
     g.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
     g.add_argument("--categories", type=_csv, default=None, help="comma-separated categories to keep")
     g.add_argument("--turns", type=int, default=None, help="answer only the first N turns of each question")
