@@ -169,3 +169,39 @@ class TargetModel:
         else:
             features = None
         return TargetOutput(logits=logits, features=features)
+
+    # ---- training ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def features_for_batch(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Whole right-padded sequences, no KV cache (for training a head): input_ids, attention_mask [B, T].
+        Returns (last [B, T, d]: post-norm last hidden, the LM head's input; features [B, T, F] of this adapter's
+        feature_kind). Leaves the generation cache untouched."""
+        if input_ids.shape[1] > self.max_context:
+            raise EagleSpecError(f"training sequence of {input_ids.shape[1]} tokens exceeds the context of {self.max_context}")
+        want_layers = self.feature_kind == "eagle3"
+        out = self.decoder(
+            input_ids=input_ids.to(self.device),
+            attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+            use_cache=False,
+            output_hidden_states=want_layers,
+        )
+        last = out.last_hidden_state  # [B, T, d]
+        if want_layers:
+            features = torch.cat([out.hidden_states[i] for i in self.eagle3_layers()], dim=-1)  # [B, T, 3d]
+        else:
+            features = last
+        return last, features
+
+    def logits_from_last(self, last: Tensor, vocab_ids: Tensor | None = None) -> Tensor:
+        """The target's logits [..., V] (float32, soft-capped like `forward`) from post-norm hidden states [..., d];
+        with `vocab_ids` [Vd] only those columns [..., Vd] (a reduced draft vocabulary)."""
+        last = last.to(self.dtype)
+        if vocab_ids is None:
+            logits = self.lm_head(last).float()
+        else:
+            weight = self.lm_head.weight[vocab_ids.to(self.device)]  # [Vd, d]
+            bias = None if self.lm_head.bias is None else self.lm_head.bias[vocab_ids.to(self.device)]
+            logits = torch.nn.functional.linear(last, weight, bias).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import HeadConfig
-from .layer import KVCache, rope_tables
+from .layer import DecoderLayer, KVCache, rope_tables
 
 
 class DraftHead(nn.Module):
@@ -23,9 +23,49 @@ class DraftHead(nn.Module):
         """Target features [T, F] -> head hidden [T, d]."""
         raise NotImplementedError
 
+    def layer_inputs(self, hidden: Tensor, token_embeds: Tensor) -> tuple[Tensor, Tensor]:
+        """(attention input [..., d_in], residual [..., d]) of the decoder layer for these inputs [..., d]."""
+        raise NotImplementedError
+
+    def decoder_layer(self) -> DecoderLayer:
+        raise NotImplementedError
+
     def step(self, hidden: Tensor, token_embeds: Tensor, positions: Tensor, cache: KVCache, mask: Tensor) -> Tensor:
         """hidden, token_embeds: [T, d]; positions: [T]; mask: [T, len(cache) + T] bool. Returns [T, d]."""
-        raise NotImplementedError
+        x, residual = self.layer_inputs(hidden, token_embeds)
+        return self.decoder_layer()(x, residual, self.rope(positions, x.dtype), cache, 0, mask)
+
+    def forward(self, features: Tensor, next_embeds: Tensor, steps: int) -> list[Tensor]:
+        """Training entry point (what `accelerate` / DDP wrap): `unroll(lift(features), next_embeds, steps)`."""
+        return self.unroll(self.lift(features), next_embeds, steps)
+
+    def unroll(self, hidden: Tensor, next_embeds: Tensor, steps: int) -> list[Tensor]:
+        """Training / evaluation forward over a batch of whole sequences, `steps` draft steps deep.
+
+        hidden: [B, T, d] head hidden of slot t from the target (`lift(features)`, f_t); next_embeds: [B, T, d]
+        embedding of token x_{t+1}. Step j (0-based) of slot t reads x_{t+1+j} and, for j >= 1, the head's own
+        output of step j-1 at that slot, sits at position t + j, and attends to the real prefix (step-0 keys of
+        slots <= t) and its own earlier steps at slot t: exactly what a depth-j draft node sees at inference.
+        Its output predicts x_{t+2+j}. Slots past the end read zero embeddings; mask them in the loss.
+        Returns one [B, T, d] output per step.
+        """
+        b, t, _ = hidden.shape
+        layer = self.decoder_layer()
+        positions = torch.arange(t, device=hidden.device)
+        outputs: list[Tensor] = []
+        prefix: tuple[Tensor, Tensor] | None = None
+        diagonal: list[tuple[Tensor, Tensor]] = []
+        for j in range(steps):
+            embeds = next_embeds if j == 0 else torch.cat([next_embeds[:, j:], next_embeds.new_zeros(b, j, next_embeds.shape[-1])], 1)
+            x, residual = self.layer_inputs(hidden, embeds)
+            out, kv = layer.forward_unrolled(x, residual, self.rope(positions + j, x.dtype), prefix, diagonal)
+            if prefix is None:
+                prefix = kv
+            else:
+                diagonal.append(kv)
+            outputs.append(out)
+            hidden = out
+        return outputs
 
     def logits(self, hidden: Tensor, target_lm_head: nn.Module) -> Tensor:
         """[T, d] -> [T, draft_vocab] log-space scores."""

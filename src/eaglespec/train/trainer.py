@@ -1,0 +1,342 @@
+"""The training loop (accelerate): one command on a 2-core CPU or under `accelerate launch` on several GPUs.
+
+Output folder layout:
+    OUT/head/                  the final head, published EAGLE / EAGLE-3 layout (config.json + model.safetensors)
+    OUT/train_config.json      the full training configuration
+    OUT/train_log.jsonl        loss per logged step;   OUT/eval.jsonl   held-out accuracy at steps 1..k
+    OUT/checkpoints/step-N/    head/ + state.pt (optimizer, scheduler, RNG, step, data position) + train_config.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError, EagleSpecError
+from ..heads import DraftHead, HeadConfig, build_head, load_head, save_head
+from ..target import TargetModel
+from .data import Example, encode_dataset, read_conversations
+from .evaluate import draft_accuracy, format_accuracy, log_jsonl
+from .features import CachedFeatures, OnlineFeatures
+from .losses import eagle1_loss, eagle3_loss
+from .vocab import coverage, select_draft_vocab, token_counts
+
+# Settings that must not change when a run is resumed (they define the data order and the objective).
+RESUME_KEYS = ("kind", "data", "model", "max_length", "batch_size", "seed", "eval_size", "draft_vocab_size",
+               "ttt_steps", "epochs", "max_steps", "lr", "warmup_steps")
+
+
+@dataclass
+class TrainConfig:
+    kind: str  # "eagle1" | "eagle3"
+    data: list[str]  # ShareGPT-format .json/.jsonl files
+    out: str
+    model: str = "smollm2-135m"
+    max_length: int = 1024  # tokens per conversation (longer ones are cut)
+    max_examples: int | None = None  # use at most this many conversations (after the held-out split)
+    batch_size: int = 4
+    epochs: int = 1
+    max_steps: int | None = None  # stop after this many optimizer steps (overrides epochs)
+    lr: float = 3e-4
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine decay to lr * this
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    noise: float | None = None  # uniform input-feature noise; default 0.1 for EAGLE-1, 0 for EAGLE-3
+    feature_weight: float = 1.0
+    ce_weight: float = 0.1
+    draft_vocab_size: int = 8192  # EAGLE-3
+    ttt_steps: int = 7  # EAGLE-3 training-time test depth
+    eval_steps: int = 5  # accuracy reported at steps 1..eval_steps
+    eval_size: int = 32  # held-out conversations
+    eval_every: int = 200
+    save_every: int = 200
+    log_every: int = 10
+    seed: int = 0
+    cache_features: str | None = None  # folder for cached target features; None = online
+    save_dtype: str = "float32"  # dtype of the final head's weights
+    mixed_precision: str = "auto"  # auto = bf16 on GPU, none on CPU
+    time_budget_min: float | None = None  # stop training (and write the head) after this many minutes
+    extra: dict = field(default_factory=dict)
+
+    def input_noise(self) -> float:
+        return self.noise if self.noise is not None else (0.1 if self.kind == "eagle1" else 0.0)
+
+
+# ---- data order ------------------------------------------------------------------------------------------
+def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """The batches of one epoch: shuffled, grouped by similar length (less padding), order shuffled again.
+    A pure function of (lengths, batch_size, seed, epoch), so a resumed run sees the same order."""
+    rng = random.Random(seed * 1_000_003 + epoch)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    group = batch_size * 32
+    batches: list[list[int]] = []
+    for g in range(0, len(order), group):
+        chunk = sorted(order[g : g + group], key=lambda i: lengths[i])
+        batches += [chunk[s : s + batch_size] for s in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup, then cosine decay to `min_ratio` at `total` steps."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def split_examples(examples: list[Example], eval_size: int, seed: int) -> tuple[list[Example], list[Example]]:
+    """Deterministic held-out split: (train, eval)."""
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    eval_size = min(eval_size, max(0, len(examples) - 1))
+    held = set(order[:eval_size])
+    return [e for i, e in enumerate(examples) if i not in held], [examples[i] for i in sorted(held)]
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------------
+def latest_checkpoint(out: Path) -> Path | None:
+    folders = sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    folders = [f for f in folders if (f / "state.pt").is_file()]
+    return folders[-1] if folders else None
+
+
+def _rng_state(generator: torch.Generator) -> dict:
+    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]), "noise": generator.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict, generator: torch.Generator) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((3, tuple(state["python"]), None))
+    generator.set_state(state["noise"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def read_state(folder: Path) -> dict:
+    try:
+        return torch.load(folder / "state.pt", map_location="cpu", weights_only=True)
+    except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+        raise CheckpointError(f"training state '{folder / 'state.pt'}' is corrupt or unreadable ({exc})") from exc
+
+
+# ---- the loop --------------------------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, config: TrainConfig, hf_model, tokenizer, progress: bool = True):
+        from accelerate import Accelerator
+
+        if config.kind not in ("eagle1", "eagle3"):
+            raise EagleSpecError(f"unknown head kind '{config.kind}' (use eagle1 or eagle3)")
+        if config.batch_size < 1 or config.ttt_steps < 1 or config.eval_steps < 1:
+            raise EagleSpecError("batch size, ttt steps and eval steps must be at least 1")
+        self.config = config
+        self.progress = progress
+        mp = config.mixed_precision
+        if mp == "auto":
+            mp = "bf16" if torch.cuda.is_available() else "no"
+        self.accelerator = Accelerator(mixed_precision=mp)
+        self.out = Path(config.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.target = TargetModel(hf_model.to(self.accelerator.device),
+                                  feature_kind="eagle3" if config.kind == "eagle3" else "final")
+
+        convs = [c for path in config.data for c in read_conversations(path)]
+        examples = encode_dataset(tokenizer, convs, config.max_length)
+        train, held = split_examples(examples, config.eval_size, config.seed)
+        if config.max_examples is not None:
+            train = train[: config.max_examples]
+        if not train:
+            raise EagleSpecError("no training conversations left after the held-out split")
+        self.train_examples, self.eval_examples = train, held
+        self.train_source, self.eval_source = self._sources(train, held)
+
+        self.head = self._new_head(train)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=config.lr, betas=(0.9, 0.95),
+                                           weight_decay=config.weight_decay)
+        self.steps_per_epoch = len(train) // (config.batch_size * self.accelerator.num_processes)
+        if self.steps_per_epoch == 0:
+            raise EagleSpecError(f"{len(train)} training conversations are fewer than one batch of {config.batch_size}")
+        self.total_steps = config.max_steps or self.steps_per_epoch * config.epochs
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_lambda(s, config.warmup_steps, self.total_steps, config.min_lr_ratio))
+        self.head, self.optimizer = self.accelerator.prepare(self.head, self.optimizer)
+        self.step = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0
+
+    def _sources(self, train: list[Example], held: list[Example]):
+        c = self.config
+        if c.cache_features:
+            if not self.accelerator.is_main_process:
+                self.accelerator.wait_for_everyone()
+            folder = Path(c.cache_features)
+            sources = (CachedFeatures(self.target, train, folder / "train", c.model, progress=self.progress),
+                       CachedFeatures(self.target, held, folder / "eval", c.model, progress=self.progress)
+                       if held else None)
+            if self.accelerator.is_main_process:
+                self.accelerator.wait_for_everyone()
+            return sources
+        return OnlineFeatures(self.target, train), OnlineFeatures(self.target, held) if held else None
+
+    def _new_head(self, train: list[Example]) -> DraftHead:
+        c = self.config
+        head_config = HeadConfig.for_target(
+            self.target, c.kind, name=c.model,
+            draft_vocab_size=min(c.draft_vocab_size, self.target.vocab_size) if c.kind == "eagle3" else None)
+        torch.manual_seed(c.seed)
+        head = build_head(head_config)
+        if c.kind == "eagle3":
+            counts = token_counts(train, self.target.vocab_size)
+            ids = select_draft_vocab(counts, head_config.draft_vocab_size)
+            head.set_vocab(ids)
+            self.print(f"draft vocabulary: {ids.numel()} tokens cover {coverage(counts, ids):.1%} of the training answers")
+        return head.to(self.accelerator.device).train()
+
+    def print(self, text: str) -> None:
+        if self.accelerator.is_main_process:
+            print(text, file=sys.stderr, flush=True)
+
+    def unwrapped(self) -> DraftHead:
+        return self.accelerator.unwrap_model(self.head)
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path | None:
+        self.accelerator.wait_for_everyone()
+        if not self.accelerator.is_main_process:
+            return None
+        folder = self.out / "checkpoints" / f"step-{self.step:07d}"
+        tmp = folder.with_name(folder.name + ".tmp")
+        save_head(self.unwrapped(), tmp / "head")
+        torch.save({
+            "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "rng": _rng_state(self.generator),
+        }, tmp / "state.pt")
+        (tmp / "train_config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        if folder.exists():
+            for p in sorted(folder.rglob("*"), reverse=True):
+                p.unlink() if p.is_file() else p.rmdir()
+            folder.rmdir()
+        tmp.rename(folder)
+        return folder
+
+    def resume(self, folder: Path | None = None) -> None:
+        folder = folder or latest_checkpoint(self.out)
+        if folder is None:
+            raise EagleSpecError(f"--resume: no checkpoint in '{self.out / 'checkpoints'}'")
+        config_path = folder / "train_config.json"
+        if not config_path.is_file():
+            raise CheckpointError(f"'{folder}' is not a training checkpoint: train_config.json is missing")
+        try:
+            saved = json.loads(config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"'{config_path}' is not valid JSON ({exc})") from exc
+        changed = [k for k in RESUME_KEYS if saved.get(k) != asdict(self.config).get(k)]
+        if changed:
+            raise CheckpointError(
+                f"cannot resume from '{folder}': these settings differ from the checkpoint's: {', '.join(changed)}")
+        head = load_head(folder / "head", device=self.accelerator.device)
+        if head.config.kind != self.config.kind:
+            raise CheckpointError(f"checkpoint '{folder}' holds a {head.config.kind} head, not {self.config.kind}")
+        state = read_state(folder)
+        self.unwrapped().load_state_dict(head.state_dict())
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"], self.generator)
+        self.step, self.epoch, self.batch_in_epoch = int(state["step"]), int(state["epoch"]), int(state["batch_in_epoch"])
+        self.print(f"resumed from {folder}: step {self.step}, epoch {self.epoch}, batch {self.batch_in_epoch}")
+
+    # ---- evaluation ----------------------------------------------------------------------------------
+    def evaluate(self) -> dict | None:
+        if self.eval_source is None or not self.accelerator.is_main_process:
+            return None
+        result = draft_accuracy(self.unwrapped(), self.target, self.eval_source,
+                                list(range(len(self.eval_examples))), self.config.eval_steps, self.config.batch_size)
+        self.print(f"eval step {self.step}: {format_accuracy(result)}")
+        log_jsonl(self.out / "eval.jsonl", {"step": self.step, **result})
+        return result
+
+    # ---- training ------------------------------------------------------------------------------------
+    def loss(self, batch):
+        c = self.config
+        head = self.unwrapped()
+        if c.kind == "eagle1":
+            return eagle1_loss(head, self.target, batch, c.input_noise(), self.generator, c.feature_weight, c.ce_weight,
+                               model=self.head)
+        return eagle3_loss(head, self.target, batch, c.ttt_steps, model=self.head)
+
+    def train(self, stop_after: int | None = None) -> DraftHead:
+        """Train until total_steps (or `stop_after` more steps, for tests that simulate an interruption)."""
+        from tqdm import tqdm
+
+        c = self.config
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "train_config.json").write_text(json.dumps(asdict(c), indent=2) + "\n")
+        lengths = self.train_source.lengths()
+        n_proc, rank = self.accelerator.num_processes, self.accelerator.process_index
+        bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {c.kind}", unit="step",
+                   disable=not (self.progress and self.accelerator.is_main_process))
+        started, done_now = time.time(), 0
+        batches: list[list[int]] = []
+        batches_epoch = -1
+        out_of_time = False
+        while self.step < self.total_steps and (stop_after is None or done_now < stop_after):
+            if c.time_budget_min is not None and time.time() - started > 60 * c.time_budget_min:
+                self.print(f"time budget of {c.time_budget_min} min used up at step {self.step}")
+                out_of_time = True
+                break
+            if batches_epoch != self.epoch:
+                batches, batches_epoch = epoch_batches(lengths, c.batch_size, c.seed, self.epoch), self.epoch
+            if self.batch_in_epoch >= self.steps_per_epoch:
+                self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+                continue
+            indices = batches[self.batch_in_epoch * n_proc + rank]
+            batch = self.train_source.batch(indices).to(self.accelerator.device)
+            with self.accelerator.autocast():
+                parts = self.loss(batch)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.accelerator.backward(parts.total)
+            if c.grad_clip:
+                self.accelerator.clip_grad_norm_(self.head.parameters(), c.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+            self.batch_in_epoch += 1
+            done_now += 1
+            bar.update(1)
+            if self.step % c.log_every == 0 or self.step == self.total_steps:
+                record = {"step": self.step, "epoch": self.epoch, "loss": float(parts.total.detach()), **parts.parts,
+                          "lr": self.scheduler.get_last_lr()[0], "elapsed_s": round(time.time() - started, 1)}
+                bar.set_postfix(loss=f"{record['loss']:.4f}")
+                if self.accelerator.is_main_process:
+                    log_jsonl(self.out / "train_log.jsonl", record)
+            if c.eval_every and self.step % c.eval_every == 0:
+                self.evaluate()
+            if c.save_every and self.step % c.save_every == 0:
+                self.save_checkpoint()
+        bar.close()
+        if self.step >= self.total_steps or out_of_time:
+            if not (c.save_every and self.step % c.save_every == 0):
+                self.save_checkpoint()
+            if not (c.eval_every and self.step % c.eval_every == 0):
+                self.evaluate()
+            if self.accelerator.is_main_process:
+                from ..models import parse_dtype
+
+                save_head(self.unwrapped(), self.out / "head", dtype=parse_dtype(c.save_dtype))
+                self.print(f"head written to {self.out / 'head'}")
+        return self.unwrapped()

@@ -1,0 +1,363 @@
+"""Training pipeline on a tiny random Llama target with a character-level chat tokenizer: data, objectives,
+checkpoints and resume, evaluation, vocabulary maps, export / import, errors."""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+
+import pytest
+import torch
+
+from eaglespec.errors import CheckpointError, EagleSpecError
+from eaglespec.heads import build_head, load_head, save_head
+from eaglespec.heads.layer import KVCache
+from eaglespec.heads.config import HeadConfig
+from eaglespec.target import TargetModel
+from eaglespec.train.data import encode_conversation, encode_dataset, read_conversations, self_distill
+from eaglespec.train.export import export_head
+from eaglespec.train.features import CachedFeatures, OnlineFeatures
+from eaglespec.train.trainer import TrainConfig, Trainer
+from eaglespec.train.vocab import select_draft_vocab, token_counts
+
+from conftest import make_model
+
+CHARS = string.ascii_lowercase + " .,?\n"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def make_tokenizer():
+    """A real (fast) character-level tokenizer with a ChatML template: 3 specials + 31 characters."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<unk>", "<|im_start|>", "<|im_end|>", *CHARS])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def sentence(rng: random.Random, words: int) -> str:
+    return " ".join("".join(rng.choice("etaoinshrdlu") for _ in range(rng.randint(1, 5))) for _ in range(words)) + "."
+
+
+def conversations(n: int, seed: int = 0) -> list[list[dict]]:
+    rng = random.Random(seed)
+    return [[{"role": "user", "content": sentence(rng, rng.randint(2, 5))},
+             {"role": "assistant", "content": sentence(rng, rng.randint(6, 14))}] for _ in range(n)]
+
+
+def write_sharegpt(path, convs) -> str:
+    records = [{"id": str(i), "conversations": [
+        {"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in conv]}
+        for i, conv in enumerate(convs)]
+    path.write_text(json.dumps(records, indent=1))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    return make_model("llama", seed=1, vocab=48, layers=4)
+
+
+@pytest.fixture()
+def data_file(tmp_path):
+    return write_sharegpt(tmp_path / "data.json", conversations(40))
+
+
+def config(tmp_path, data_file, kind="eagle1", **kw) -> TrainConfig:
+    values = dict(kind=kind, data=[data_file], out=str(tmp_path / f"run-{kind}"), model="tiny", batch_size=4,
+                  lr=3e-3, warmup_steps=2, eval_size=4, eval_every=0, save_every=0, log_every=1, ttt_steps=3,
+                  eval_steps=3, draft_vocab_size=24, max_length=256)
+    values.update(kw)
+    return TrainConfig(**values)
+
+
+# ---- data ------------------------------------------------------------------------------------------------
+def test_sharegpt_parser_keeps_complete_conversations_of_truncated_file(tmp_path):
+    path = tmp_path / "cut.json"
+    write_sharegpt(path, conversations(5))
+    text = path.read_text()
+    cut = text.rfind('"value"')  # in the middle of the last conversation
+    path.write_text(text[:cut + 12])
+    convs = read_conversations(path)
+    assert len(convs) == 4
+    assert convs[:4] == conversations(5)[:4]  # roles normalised to user / assistant, content intact
+
+    jsonl = tmp_path / "cut.jsonl"
+    lines = [json.dumps({"messages": c}) for c in conversations(3)]
+    jsonl.write_text("\n".join(lines)[:-20])  # truncated last line
+    assert read_conversations(jsonl) == conversations(3)[:2]
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(tok):
+    conv = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "ok."},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": "sure"}]
+    ex = encode_conversation(tok, conv)
+    masked = tok.decode(ex.input_ids[ex.loss_mask].tolist())
+    assert masked == "ok.<|im_end|>\nsure<|im_end|>\n"
+    assert ex.input_ids.tolist() == tok(tok.apply_chat_template(conv, tokenize=False), add_special_tokens=False)["input_ids"]
+
+
+def test_empty_dataset_and_no_assistant_turns_are_clear_errors(tok, tmp_path):
+    with pytest.raises(EagleSpecError, match="empty"):
+        encode_dataset(tok, [])
+    with pytest.raises(EagleSpecError, match="no assistant turn|none of the"):
+        encode_dataset(tok, [[{"role": "user", "content": "hello"}]] * 3)
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    with pytest.raises(EagleSpecError, match="no conversations"):
+        read_conversations(empty)
+
+
+def test_self_distillation_writes_jsonl_and_resumes(tok, target_model, tmp_path):
+    prompts = [c[:1] for c in conversations(5, seed=3)]
+    out = tmp_path / "answers.jsonl"
+    assert self_distill(target_model, tok, prompts[:3], out, batch_size=2, max_new_tokens=6, progress=False) == 3
+    first = out.read_text().splitlines()
+    assert self_distill(target_model, tok, prompts, out, batch_size=2, max_new_tokens=6, progress=False) == 5
+    lines = out.read_text().splitlines()
+    assert lines[:3] == first  # answered prompts are kept, not redone
+    records = [json.loads(line) for line in lines]
+    assert sorted(r["id"] for r in records) == ["0", "1", "2", "3", "4"]
+    convs = read_conversations(out)
+    assert all(c[-1]["role"] == "assistant" for c in convs)
+    # The answer is the target's own greedy continuation of the templated prompt.
+    r = records[0]
+    ids = tok.apply_chat_template(prompts[int(r["id"])], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    want = target_model.generate(ids, do_sample=False, max_new_tokens=6, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
+    assert r["conversations"][-1]["value"] == tok.decode(want, skip_special_tokens=True).strip()
+
+
+# ---- head training forward matches inference -------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_unrolled_steps_match_tree_drafting(target_model, kind):
+    target = TargetModel(target_model, feature_kind="eagle3" if kind == "eagle3" else "final")
+    torch.manual_seed(0)
+    head = build_head(HeadConfig.for_target(target, kind, draft_vocab_size=20 if kind == "eagle3" else None)).eval()
+    if kind == "eagle3":
+        head.set_vocab(torch.arange(0, 40, 2))
+    ids = torch.randint(3, 48, (1, 10))
+    _, feats = target.features_for_batch(ids)
+    emb = target.embed_tokens(ids)  # [1, T, d]
+    nxt = torch.cat([emb[:, 1:], torch.zeros_like(emb[:, :1])], 1)
+    with torch.no_grad():
+        outs = head.unroll(head.lift(feats), nxt, 3)
+        t = 5  # slot: the prefix is positions 0..t, drafted nodes at t+1, t+2 read x_{t+2}, x_{t+3}
+        cache = KVCache()
+        h = head.step(head.lift(feats[0, : t + 1]), emb[0, 1 : t + 2], torch.arange(t + 1), cache,
+                      torch.ones(t + 1, t + 1, dtype=torch.bool).tril())
+        assert torch.allclose(h, outs[0][0, : t + 1], atol=1e-5)
+        hidden = h[-1:]
+        for j in (1, 2):
+            node = head.step(hidden, emb[0, t + 1 + j : t + 2 + j], torch.tensor([t + j]), cache,
+                             torch.ones(1, len(cache) + 1, dtype=torch.bool))
+            assert torch.allclose(node[0], outs[j][0, t], atol=1e-5), j
+            hidden = node
+
+
+# ---- training ----------------------------------------------------------------------------------------------
+def entropy_floor(trainer: Trainer, batch) -> float:
+    """The lowest value the soft cross-entropy part of the loss can reach: the target distributions' entropy."""
+    from eaglespec.train.losses import shift_left, step_mask
+
+    head, target = trainer.unwrapped(), trainer.target
+    steps = trainer.config.ttt_steps if trainer.config.kind == "eagle3" else 1
+    vocab = head.to_target_ids(torch.arange(head.config.draft_vocab_size)) if trainer.config.kind == "eagle3" else None
+    floor = 0.0
+    for j in range(steps):
+        logits = target.logits_from_last(shift_left(batch.last, 1 + j)[step_mask(batch, j)], vocab)
+        entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1).mean()
+        floor += (0.8**j if trainer.config.kind == "eagle3" else trainer.config.ce_weight) * float(entropy)
+    return floor
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_a_few_steps_reduce_the_loss(tmp_path, data_file, target_model, tok, kind):
+    trainer = Trainer(config(tmp_path, data_file, kind, max_steps=30), target_model, tok, progress=False)
+    batch = trainer.train_source.batch(list(range(8)))
+    floor = entropy_floor(trainer, batch)
+    with torch.no_grad():
+        before = float(trainer.loss(batch).total) - floor
+    acc_before = trainer.evaluate()["acc"][0]
+    trainer.train()
+    with torch.no_grad():
+        after = float(trainer.loss(batch).total) - floor
+    assert 0 < after < 0.7 * before, (before, after)
+    log = [json.loads(line) for line in (tmp_path / f"run-{kind}" / "eval.jsonl").read_text().splitlines()]
+    assert len(log[-1]["acc"]) == 3 and log[-1]["acc"][0] >= acc_before
+    head = load_head(tmp_path / f"run-{kind}" / "head")
+    assert head.config.kind == kind
+
+
+def test_resume_continues_at_the_same_step_and_data_position(tmp_path, data_file, target_model, tok):
+    full = Trainer(config(tmp_path / "a", data_file, "eagle1", max_steps=12, save_every=4, epochs=2),
+                   target_model, tok, progress=False)
+    assert full.steps_per_epoch == 9  # 36 training conversations / 4: the run crosses an epoch boundary
+    full.train()
+
+    cfg = config(tmp_path / "b", data_file, "eagle1", max_steps=12, save_every=4, epochs=2)
+    first = Trainer(cfg, target_model, tok, progress=False)
+    first.train(stop_after=10)  # killed after step 10; the last checkpoint is step 8
+    resumed = Trainer(cfg, target_model, tok, progress=False)
+    resumed.resume()
+    assert (resumed.step, resumed.epoch, resumed.batch_in_epoch) == (8, 0, 8)
+    resumed.train()
+    assert (resumed.step, resumed.epoch, resumed.batch_in_epoch) == (full.step, full.epoch, full.batch_in_epoch)
+    for (name, a), (_, b) in zip(full.unwrapped().state_dict().items(), resumed.unwrapped().state_dict().items()):
+        assert torch.equal(a, b), name
+    logs = [(tmp_path / d / "run-eagle1" / "train_log.jsonl").read_text().splitlines() for d in ("a", "b")]
+    assert [json.loads(x)["loss"] for x in logs[0]] == [json.loads(x)["loss"] for x in logs[1][:8] + logs[1][10:]]
+
+
+def test_resume_refuses_changed_settings_and_corrupt_state(tmp_path, data_file, target_model, tok):
+    cfg = config(tmp_path, data_file, "eagle3", max_steps=2, save_every=2)
+    Trainer(cfg, target_model, tok, progress=False).train()
+    other = Trainer(config(tmp_path, data_file, "eagle3", max_steps=2, save_every=2, lr=1e-2), target_model, tok,
+                    progress=False)
+    with pytest.raises(CheckpointError, match="lr"):
+        other.resume()
+    ckpt = tmp_path / "run-eagle3" / "checkpoints" / "step-0000002"
+    (ckpt / "state.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        Trainer(cfg, target_model, tok, progress=False).resume()
+    (ckpt / "head" / "model.safetensors").write_bytes(b"\x00" * 50)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        Trainer(cfg, target_model, tok, progress=False).resume()
+    with pytest.raises(EagleSpecError, match="no checkpoint"):
+        Trainer(config(tmp_path / "fresh", data_file, "eagle3"), target_model, tok, progress=False).resume()
+
+
+def test_training_on_data_without_answers_is_a_clear_error(tmp_path, target_model, tok):
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hello"}]}] * 4))
+    with pytest.raises(EagleSpecError, match="assistant turn"):
+        Trainer(config(tmp_path, str(path)), target_model, tok, progress=False)
+
+
+def test_cached_features_equal_online_features(tmp_path, data_file, target_model, tok, capsys):
+    target = TargetModel(target_model, feature_kind="eagle3")
+    examples = encode_dataset(tok, read_conversations(data_file))[:10]
+    online = OnlineFeatures(target, examples)
+    cached = CachedFeatures(target, examples, tmp_path / "cache", "tiny", batch_size=3, dtype=torch.float32,
+                            progress=False)
+    assert "MiB on disk" in capsys.readouterr().err
+    a, b = online.batch([3, 7, 1]), cached.batch([3, 7, 1])
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+    real = a.attention_mask
+    assert torch.allclose(a.last[real], b.last[real], atol=1e-5)
+    assert torch.allclose(a.features[real], b.features[real], atol=1e-5)
+    with pytest.raises(CheckpointError, match="other data"):
+        CachedFeatures(target, examples[:5], tmp_path / "cache", "tiny", progress=False)
+
+
+# ---- checkpoints, vocabulary, export -------------------------------------------------------------------------
+def trained_head(tmp_path, data_file, target_model, tok, kind):
+    return Trainer(config(tmp_path, data_file, kind, max_steps=3), target_model, tok, progress=False).train()
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_save_load_round_trip_gives_identical_outputs(tmp_path, data_file, target_model, tok, kind):
+    head = trained_head(tmp_path, data_file, target_model, tok, kind).eval()
+    save_head(head, tmp_path / "saved")
+    loaded = load_head(tmp_path / "saved")
+    target = TargetModel(target_model, feature_kind="eagle3" if kind == "eagle3" else "final")
+    ids = torch.randint(3, 48, (2, 12))
+    _, feats = target.features_for_batch(ids)
+    emb = target.embed_tokens(ids)
+    with torch.no_grad():
+        for a, b in zip(head.unroll(head.lift(feats), emb, 3), loaded.unroll(loaded.lift(feats), emb, 3)):
+            assert torch.equal(a, b)
+            assert torch.equal(head.logits(a, target.lm_head), loaded.logits(b, target.lm_head))
+
+
+@pytest.mark.parametrize("weights", ["safetensors", "bin"])
+def test_export_then_import_gives_identical_weights(tmp_path, data_file, target_model, tok, weights):
+    head = trained_head(tmp_path, data_file, target_model, tok, "eagle3")
+    save_head(head, tmp_path / "ours")
+    export_head(tmp_path / "ours", tmp_path / "official", layout="official", weights=weights)
+    official = json.loads((tmp_path / "official" / "config.json").read_text())
+    assert official["architectures"] == ["LlamaForCausalLMEagle3"] and "eaglespec" not in official
+    assert official["draft_vocab_size"] == 24
+    export_head(tmp_path / "official", tmp_path / "back", layout="eaglespec")
+    back = load_head(tmp_path / "back")
+    for (name, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_official_eagle1_checkpoint_with_embeddings_imports(tmp_path, target_model):
+    target = TargetModel(target_model)
+    head = build_head(HeadConfig.for_target(target, "eagle1"))
+    folder = tmp_path / "official-eagle1"
+    folder.mkdir()
+    state = dict(head.state_dict())
+    state["embed_tokens.weight"] = target.embed_tokens.weight.clone()  # official EAGLE-1 files carry it
+    torch.save(state, folder / "pytorch_model.bin")
+    cfg = head.config.to_json()
+    cfg.pop("eaglespec")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    loaded = load_head(folder)
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    state["fc.weight"] = state["fc.weight"][:, :10]
+    torch.save(state, folder / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="shape"):
+        load_head(folder)
+
+
+def test_draft_vocabulary_maps_are_consistent(tok, tmp_path, data_file, target_model):
+    examples = encode_dataset(tok, read_conversations(data_file))
+    counts = token_counts(examples, 48)
+    assert int(counts.sum()) == sum(int(e.loss_mask.sum()) for e in examples)
+    ids = select_draft_vocab(counts, 24)
+    chosen = set(ids.tolist())
+    assert min(int(counts[i]) for i in chosen) >= max(int(counts[i]) for i in range(48) if i not in chosen)
+    head = trained_head(tmp_path, data_file, target_model, tok, "eagle3")
+    draft = torch.arange(24)
+    target_ids = draft + head.d2t[draft]
+    assert torch.equal(target_ids, head.to_target_ids(draft))
+    assert torch.equal(torch.sort(target_ids).values, ids)
+    assert head.t2d.sum() == 24 and head.t2d[target_ids].all()
+    assert torch.equal(torch.nonzero(head.t2d).flatten(), target_ids)
+
+
+# ---- command line --------------------------------------------------------------------------------------------
+def test_cli_data_train_export(tmp_path, target_model, tok, capsys):
+    from eaglespec.cli import main
+
+    model_dir = tmp_path / "tiny-model"
+    target_model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    source = write_sharegpt(tmp_path / "source.json", conversations(12, seed=5))
+    answers = tmp_path / "answers.jsonl"
+    assert main(["train", "data", "--model", str(model_dir), "--source", source, "--out", str(answers),
+                 "--limit", "10", "--batch-size", "4", "--max-new-tokens", "8"]) == 0
+    assert len(answers.read_text().splitlines()) == 10
+    out = tmp_path / "run"
+    assert main(["train", "head", "--model", str(model_dir), "--kind", "eagle3", "--data", str(answers),
+                 "--out", str(out), "--max-steps", "3", "--batch-size", "2", "--eval-size", "2", "--draft-vocab-size",
+                 "16", "--ttt-steps", "2", "--eval-steps", "2", "--cache-features", str(tmp_path / "cache"),
+                 "--save-dtype", "bfloat16"]) == 0
+    head = load_head(out / "head")
+    assert head.config.draft_vocab_size == 16 and head.config.target["num_hidden_layers"] == 4
+    assert json.loads((out / "eval.jsonl").read_text().splitlines()[-1])["step"] == 3
+    assert main(["export", str(out / "head"), str(tmp_path / "official"), "--weights", "bin"]) == 0
+    assert (tmp_path / "official" / "pytorch_model.bin").is_file()
+    # Errors are one line and exit code 2.
+    capsys.readouterr()
+    assert main(["train", "head", "--model", str(model_dir), "--data", str(tmp_path / "missing.json"),
+                 "--out", str(out)]) == 2
+    assert "does not exist" in capsys.readouterr().err
