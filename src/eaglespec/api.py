@@ -17,9 +17,9 @@ import torch
 from .decode import Finished, GenerationStats, SpecDecoder, Step
 from .drafters import HEAD_METHODS, METHODS, Drafter, EagleDrafter, TreeSettings, VanillaDrafter
 from .errors import EagleSpecError
+from .fastpath import make_target
 from .heads import DraftHead, check_head_fits, load_head
 from .models import DEFAULT_MODEL, load_target, parse_dtype, shipped_head_dir
-from .target import TargetModel
 from .verify import SamplingParams
 
 Prompt = str | list[dict]
@@ -46,6 +46,7 @@ class Engine:
         tree: TreeSettings | None = None,
         device: str = "cpu",
         draft_model: str | None = None,
+        backend: str = "auto",
     ):
         if method not in METHODS:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
@@ -65,11 +66,11 @@ class Engine:
                     raise EagleSpecError(f"method '{method}' needs a draft head: pass --head DIR or use vanilla")
             else:
                 head_module = load_head(head_dir, dtype=parse_dtype(dtype), device=device)
-        self._setup(hf_model, tokenizer, head_module, method, tree, head_name=str(head))
+        self._setup(hf_model, tokenizer, head_module, method, tree, head_name=str(head), backend=backend)
 
     @classmethod
     def from_model(cls, hf_model, tokenizer, head: DraftHead | None = None, method: str = "eagle2",
-                   tree: TreeSettings | None = None, draft_hf_model=None) -> "Engine":
+                   tree: TreeSettings | None = None, draft_hf_model=None, backend: str = "auto") -> "Engine":
         """Wrap an already loaded transformers model (and optionally a head, or a draft model for sps)."""
         engine = cls.__new__(cls)
         engine.notice = ""
@@ -80,13 +81,14 @@ class Engine:
         if method == "sps" and draft_hf_model is None:
             raise EagleSpecError("method 'sps' needs a draft model")
         engine.draft_hf_model = draft_hf_model
-        engine._setup(hf_model, tokenizer, head if method in HEAD_METHODS else None, method, tree, "the head")
+        engine._setup(hf_model, tokenizer, head if method in HEAD_METHODS else None, method, tree, "the head",
+                      backend)
         return engine
 
     def _setup(self, hf_model, tokenizer, head: DraftHead | None, method: str, tree: TreeSettings | None,
-               head_name: str) -> None:
+               head_name: str, backend: str = "auto") -> None:
         feature_kind = None if head is None else ("eagle3" if head.config.kind == "eagle3" else "final")
-        self.target = TargetModel(hf_model, feature_kind=feature_kind)
+        self.target = make_target(hf_model, feature_kind=feature_kind, backend=backend)
         self.tokenizer = tokenizer
         self.head = head
         self.method = method

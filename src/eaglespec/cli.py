@@ -40,6 +40,8 @@ def model_options(p: argparse.ArgumentParser) -> None:
                         "pld = prompt lookup, sps = a smaller draft model (--draft-model)")
     g.add_argument("--draft-model", default=None, help="sps: a smaller model sharing the target's tokenizer")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"],
+                   help="target forward: fast = our lean Llama/Qwen2 path, hf = transformers (auto: fast if supported)")
     g.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch (default: torch's)")
     g.add_argument("--total-tokens", type=_positive_int, default=16, help="EAGLE-2: tree nodes verified per step")
     g.add_argument("--depth", type=_positive_int, default=5, help="EAGLE-2 / chain: draft levels")
@@ -87,7 +89,7 @@ def build_engine(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     tree = TreeSettings(total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k)
     engine = Engine(model=args.model, head=args.head, method=args.method, dtype=args.dtype, tree=tree,
-                    draft_model=args.draft_model)
+                    draft_model=args.draft_model, backend=args.backend)
     if engine.notice:
         print(f"note: {engine.notice}", file=sys.stderr)
     return engine

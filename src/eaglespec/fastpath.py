@@ -1,0 +1,192 @@
+"""A lean target forward for Llama-style models (Llama, Qwen2): same interface as `TargetModel`, faster steps.
+
+Why it is faster than calling the transformers model: a pre-allocated KV cache with in-place commit of the
+accepted path (no concatenation or gathering of whole caches per step), fused QKV and gate/up matrices (3 matmuls
+fewer per layer), RoPE tables computed once, a boolean mask built once per step, and little Python per layer.
+Weights are read from the transformers model (nothing is copied from its source). It is checked token for token
+against the generic `TargetModel` path in tests/test_fastpath.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .errors import EagleSpecError
+from .target import TargetModel, TargetOutput
+
+SUPPORTED = ("llama", "qwen2")
+
+
+def supports(model) -> bool:
+    """True when `model` is a plain Llama-style decoder this fast path reproduces exactly."""
+    c = model.config.get_text_config(decoder=True)
+    rope = getattr(c, "rope_parameters", None) or {}
+    layer_types = getattr(c, "layer_types", None) or []
+    return (
+        c.model_type in SUPPORTED
+        and rope.get("rope_type", "default") == "default"
+        and getattr(c, "hidden_act", "silu") == "silu"
+        and not getattr(c, "mlp_bias", False)
+        and "sliding_attention" not in layer_types
+        and getattr(model.get_decoder(), "layers", None) is not None
+    )
+
+
+@dataclass
+class _Layer:
+    input_norm: Tensor  # [d]
+    qkv: Tensor  # [(H + 2 Hkv) hd, d]
+    qkv_bias: Tensor | None  # [(H + 2 Hkv) hd]
+    o: Tensor  # [d, H hd]
+    post_norm: Tensor  # [d]
+    gate_up: Tensor  # [2 I, d]
+    down: Tensor  # [d, I]
+
+
+class FastTarget(TargetModel):
+    """`TargetModel` with its own forward for Llama-style models. Construct through `make_target`."""
+
+    def __init__(self, model, feature_kind: str | None = "final", initial_capacity: int = 1024):
+        super().__init__(model, feature_kind)
+        c = self.config
+        self.n_heads = c.num_attention_heads
+        self.n_kv = getattr(c, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.n_heads
+        self.eps = float(c.rms_norm_eps)
+        self.layers = [self._fuse(layer) for layer in self.decoder.layers]
+        self.final_norm = self.decoder.norm.weight.detach()
+        rope = getattr(c, "rope_parameters", None) or {}
+        theta = float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        self.feature_layers = set(self.eagle3_layers()) if feature_kind == "eagle3" else set()
+        self.capacity = 0
+        self._grow(min(initial_capacity, self.max_context))
+
+    def _fuse(self, layer) -> _Layer:
+        a, m = layer.self_attn, layer.mlp
+        bias = None
+        if a.q_proj.bias is not None:
+            bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
+        return _Layer(
+            input_norm=layer.input_layernorm.weight.detach(),
+            qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().contiguous(),
+            qkv_bias=bias,
+            o=a.o_proj.weight.detach(),
+            post_norm=layer.post_attention_layernorm.weight.detach(),
+            gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().contiguous(),
+            down=m.down_proj.weight.detach(),
+        )
+
+    # ---- static cache --------------------------------------------------------------------------------
+    def _grow(self, capacity: int) -> None:
+        """(Re)allocate the cache: [layers, kv_heads, capacity, head_dim] keys and values."""
+        shape = (len(self.layers), self.n_kv, capacity, self.head_dim)
+        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.capacity:
+            keys[:, :, : self.capacity] = self.keys
+            values[:, :, : self.capacity] = self.values
+        self.keys, self.values, self.capacity = keys, values, capacity
+        positions = torch.arange(capacity, dtype=torch.float32)
+        angles = positions[:, None] * self.inv_freq[None]  # [capacity, hd/2]
+        emb = torch.cat([angles, angles], dim=-1)
+        self.cos = emb.cos().to(self.dtype).to(self.device)  # [capacity, hd]
+        self.sin = emb.sin().to(self.dtype).to(self.device)
+
+    def reset(self) -> None:
+        self.cache_len = 0
+        self._pending = 0
+
+    @torch.inference_mode()
+    def commit(self, keep: Tensor | None = None) -> None:
+        n, c = self._pending, self.cache_len
+        if n == 0:
+            return
+        if keep is None:
+            self.cache_len += n
+        else:
+            m = keep.numel()
+            rows = c + keep.to(self.device)
+            self.keys[:, :, c : c + m] = self.keys[:, :, rows]  # gather first (a copy), then write in place
+            self.values[:, :, c : c + m] = self.values[:, :, rows]
+            self.cache_len += m
+        self._pending = 0
+
+    # ---- forward -------------------------------------------------------------------------------------
+    def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+
+    @staticmethod
+    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, tree_mask: Tensor | None = None,
+                logits_rows: Tensor | slice | None = None) -> TargetOutput:
+        if self._pending:
+            raise RuntimeError("commit() the previous forward before running another one")
+        tokens = tokens.to(self.device)
+        n, c = tokens.numel(), self.cache_len
+        if positions is None:
+            positions = torch.arange(c, c + n, device=self.device)
+        positions = positions.to(self.device)
+        top = int(positions.max())
+        if top >= self.max_context:
+            raise EagleSpecError(f"sequence reaches position {top}, beyond the model's context of {self.max_context}")
+        if c + n > self.capacity or top >= self.capacity:
+            self._grow(min(self.max_context, max(2 * self.capacity, c + n, top + 1)))
+        allowed = torch.ones(n, c + n, dtype=torch.bool, device=self.device)  # [n, c + n]
+        allowed[:, c:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_() if tree_mask is None \
+            else tree_mask.to(self.device)
+        mask = allowed[None, None]
+        cos, sin = self.cos[positions][None], self.sin[positions][None]  # [1, n, hd]
+        H, Hkv, hd = self.n_heads, self.n_kv, self.head_dim
+
+        x = self.embed_tokens(tokens)  # [n, d]
+        saved = []
+        for i, layer in enumerate(self.layers):
+            if i in self.feature_layers:
+                saved.append(x)
+            qkv = F.linear(self._norm(x, layer.input_norm), layer.qkv, layer.qkv_bias)  # [n, (H + 2Hkv) hd]
+            q, k, v = qkv.view(n, H + 2 * Hkv, hd).transpose(0, 1).split([H, Hkv, Hkv], dim=0)  # [heads, n, hd]
+            self.keys[i, :, c : c + n] = self._rotate(k, cos, sin)
+            self.values[i, :, c : c + n] = v
+            attn = F.scaled_dot_product_attention(
+                self._rotate(q, cos, sin)[None], self.keys[i, :, : c + n][None], self.values[i, :, : c + n][None],
+                attn_mask=mask, enable_gqa=H != Hkv,
+            )  # [1, H, n, hd]
+            x = x + F.linear(attn[0].transpose(0, 1).reshape(n, H * hd), layer.o)
+            gate, up = F.linear(self._norm(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)  # [n, I] each
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        self._pending = n
+
+        last = self._norm(x, self.final_norm)  # [n, d]
+        rows = last if logits_rows is None else last[logits_rows]
+        logits = self.lm_head(rows).float()
+        if self.feature_kind == "final":
+            features = last
+        elif self.feature_kind == "eagle3":
+            by_layer = dict(zip(sorted(self.feature_layers), saved))
+            features = torch.cat([by_layer[i] for i in self.eagle3_layers()], dim=-1)  # [n, 3d]
+        else:
+            features = None
+        return TargetOutput(logits=logits, features=features)
+
+
+def make_target(model, feature_kind: str | None = "final", backend: str = "auto") -> TargetModel:
+    """`backend`: "auto" (fast path when the architecture is supported), "fast" (required) or "hf"."""
+    if backend not in ("auto", "fast", "hf"):
+        raise EagleSpecError(f"unknown backend '{backend}'; use auto, fast or hf")
+    if backend == "hf" or (backend == "auto" and not supports(model)):
+        return TargetModel(model, feature_kind)
+    if not supports(model):
+        raise EagleSpecError(f"the fast path supports {', '.join(SUPPORTED)} models with default RoPE; "
+                             f"this is '{model.config.model_type}': use --backend hf")
+    return FastTarget(model, feature_kind)

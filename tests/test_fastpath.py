@@ -1,0 +1,57 @@
+"""The Llama/Qwen2 fast path reproduces the generic transformers path (logits, features, commits, tokens)."""
+
+import pytest
+import torch
+
+from eaglespec import Engine, TreeSettings
+from eaglespec.errors import EagleSpecError
+from eaglespec.fastpath import FastTarget, make_target, supports
+from eaglespec.target import TargetModel
+from eaglespec.tree import DraftTree
+
+from conftest import TinyTokenizer, make_model
+from test_engine import PROMPTS, random_head
+
+PROMPT = torch.tensor([3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26])
+TREE = DraftTree(tokens=torch.tensor([5, 11, 12, 13, 14, 15, 16]), parents=torch.tensor([-1, 0, 0, 1, 1, 2, 3]))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["final", "eagle3"])
+def test_fast_forward_and_commit_match_generic(arch, kind):
+    model = make_model(arch, layers=6)
+    fast, slow = FastTarget(model, kind, initial_capacity=8), TargetModel(model, kind)  # capacity 8 forces growth
+    for t in (fast, slow):
+        t.forward(PROMPT)
+        t.commit()
+    outs = [t.forward(TREE.tokens, TREE.positions(t.cache_len), TREE.ancestor_mask()) for t in (fast, slow)]
+    torch.testing.assert_close(outs[0].logits, outs[1].logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[0].features, outs[1].features, atol=1e-4, rtol=1e-4)
+    for t in (fast, slow):
+        t.commit(torch.tensor([0, 2, 5]))
+    nxt = [t.forward(torch.tensor([7, 8])) for t in (fast, slow)]
+    torch.testing.assert_close(nxt[0].logits, nxt[1].logits, atol=1e-4, rtol=1e-4)
+    assert fast.cache_len == slow.cache_len == PROMPT.numel() + 3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("method", ["vanilla", "eagle2", "eagle1"])
+def test_fast_engine_tokens_equal_generic_vanilla(arch, method):
+    model = make_model(arch)
+    head = None if method == "vanilla" else random_head(model, "eagle3")
+    slow = Engine.from_model(model, TinyTokenizer(), method="vanilla", backend="hf")
+    fast = Engine.from_model(model, TinyTokenizer(), head=head, method=method, backend="fast",
+                             tree=TreeSettings(total_tokens=10, depth=4, top_k=3))
+    assert isinstance(fast.target, FastTarget)
+    for prompt in PROMPTS:
+        assert fast.generate(prompt, max_new_tokens=20).tokens == slow.generate(prompt, max_new_tokens=20).tokens
+
+
+def test_backend_selection():
+    assert supports(make_model("llama")) and supports(make_model("qwen2"))
+    gemma = make_model("gemma3")
+    assert not supports(gemma)
+    assert type(make_target(gemma, "final", "auto")) is TargetModel
+    assert type(make_target(make_model("llama"), "final", "hf")) is TargetModel
+    with pytest.raises(EagleSpecError, match="backend hf"):
+        make_target(gemma, "final", "fast")
