@@ -1,0 +1,96 @@
+"""`eaglespec serve`: command-line options, then uvicorn over the app. Heavy imports happen in `cmd_serve`."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+from collections.abc import Callable
+
+API_KEY_ENV = "EAGLESPEC_API_KEY"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got '{text}'") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
+    return value
+
+
+def register(subparsers, model_options: Callable, sampling_options: Callable) -> None:
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (chat, completions, streaming, Prometheus metrics)",
+        description="Serve the model over an OpenAI-compatible API: POST /v1/chat/completions, "
+                    "POST /v1/completions, GET /v1/models, GET /health, GET /metrics.")
+    model_options(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: 127.0.0.1, this machine only; 0.0.0.0 exposes it to the network)")
+    g.add_argument("--port", type=_port, default=8000, help="TCP port (default: 8000)")
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        f"(default: the {API_KEY_ENV} environment variable; none if unset)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and /v1/models lists (default: the --model value)")
+    g.add_argument("--max-queue", type=_positive_int, default=64,
+                   help="requests allowed to wait for the generation thread; more get 503 (default: 64)")
+    g.add_argument("--timeout", type=_positive_float, default=600.0,
+                   help="seconds a request may take from arrival to its last token, queue included (default: 600)")
+    g.add_argument("--max-tokens-limit", type=_positive_int, default=2048,
+                   help="largest max_tokens a request may ask for; also caps chat requests without one "
+                        "(default: 2048)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import prometheus_client
+    import uvicorn
+
+    from ..cli import build_engine
+    from .app import ServerConfig, create_app
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if not _is_loopback(args.host) and not api_key:
+        print(f"warning: serving on {args.host} without an API key: anyone who can reach this port can use it "
+              f"(set --api-key or {API_KEY_ENV})", file=sys.stderr)
+    engine = build_engine(args)
+    config = ServerConfig(model_name=args.served_model_name or args.model, api_key=api_key,
+                          max_queue=args.max_queue, timeout=args.timeout, max_tokens_limit=args.max_tokens_limit)
+    prometheus_client.disable_created_metrics()  # no `*_created` series (as vLLM): this process is the server
+    app = create_app(engine, config)
+    print(f"eaglespec: serving '{config.model_name}' (method {engine.method}) on http://{args.host}:{args.port}/v1"
+          f"{' with an API key' if api_key else ''}", file=sys.stderr)
+    # On shutdown, streams still open after a few seconds are cancelled, which stops their generations.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
