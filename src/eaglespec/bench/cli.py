@@ -111,7 +111,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     draft = load_target(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
     ctx = MethodContext(model=model, tokenizer=tokenizer, model_name=args.model, tree=tree, head_dir=head,
                         head3_dir=head3, draft_model=draft, dtype=parse_dtype(args.dtype),
-                        threads=torch.get_num_threads(), eos_ids=eos_ids_of(model, tokenizer))
+                        threads=torch.get_num_threads(), eos_ids=eos_ids_of(model, tokenizer),
+                        backend=getattr(args, "backend", "auto"))
     if requested.strip() == "all":
         skipped = [(n, unavailable_reason(n, ctx)) for n in names]
         for n, reason in skipped:
@@ -135,6 +136,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sampling=Sampling(args.temperature, args.top_p, args.top_k, args.seed), repeats=args.repeats,
         warmup=args.warmup, system=args.system,
         settings={"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+                  "backend": getattr(args, "backend", "auto"),
                   "tree": {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k},
                   "sweep": args.sweep, "head": str(head) if head else None, "head3": str(head3) if head3 else None,
                   "draft_model": args.draft_model, "categories": args.categories, "limit": args.limit,

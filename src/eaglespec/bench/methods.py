@@ -196,6 +196,7 @@ class MethodContext:
     dtype: torch.dtype = torch.float32
     threads: int = 1
     eos_ids: list[int] = field(default_factory=list)
+    backend: str = "auto"  # our loop's target backend (see eaglespec.fastpath)
 
 
 def parse_methods(text: str) -> list[str]:
@@ -301,8 +302,11 @@ def build_methods(names: list[str], ctx: MethodContext, sweep: tuple[str, list[i
         for value in values:
             tree = ctx.tree if value is None else TreeSettings(**{**_tree_dict(ctx.tree), sweep[0]: value})
             engine = Engine.from_model(ctx.model, ctx.tokenizer, head=head, method=engine_method, tree=tree,
-                                       draft_hf_model=ctx.draft_model if name == "sps" else None)
-            settings = {"tree": _tree_dict(tree)} if name != "vanilla" else {}
+                                       draft_hf_model=ctx.draft_model if name == "sps" else None,
+                                       backend=ctx.backend)
+            settings = {"target": type(engine.target).__name__}
+            if name != "vanilla":
+                settings["tree"] = _tree_dict(tree)
             if head is not None:
                 settings["head"] = str(ctx.head3_dir if name == "eagle3" else ctx.head_dir)
                 settings["head_kind"] = head.config.kind
