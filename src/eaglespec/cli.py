@@ -15,7 +15,7 @@ from .errors import EagleSpecError
 SUBCOMMAND_MODULES = ("eaglespec.train.cli", "eaglespec.bench.cli", "eaglespec.serve.cli")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -42,10 +42,10 @@ def model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"],
                    help="target forward: fast = our lean Llama/Qwen2 path, hf = transformers (auto: fast if supported)")
-    g.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch (default: torch's)")
-    g.add_argument("--total-tokens", type=_positive_int, default=16, help="EAGLE-2: tree nodes verified per step")
-    g.add_argument("--depth", type=_positive_int, default=5, help="EAGLE-2 / chain: draft levels")
-    g.add_argument("--tree-top-k", type=_positive_int, default=4, help="EAGLE-2: children per expanded node")
+    g.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's)")
+    g.add_argument("--total-tokens", type=positive_int, default=16, help="EAGLE-2: tree nodes verified per step")
+    g.add_argument("--depth", type=positive_int, default=5, help="EAGLE-2 / chain: draft levels")
+    g.add_argument("--tree-top-k", type=positive_int, default=4, help="EAGLE-2: children per expanded node")
 
 
 def sampling_options(p: argparse.ArgumentParser) -> None:

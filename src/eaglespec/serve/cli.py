@@ -8,17 +8,9 @@ import os
 import sys
 from collections.abc import Callable
 
+from ..cli import positive_int
+
 API_KEY_ENV = "EAGLESPEC_API_KEY"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _positive_float(text: str) -> float:
@@ -32,7 +24,7 @@ def _positive_float(text: str) -> float:
 
 
 def _port(text: str) -> int:
-    value = _positive_int(text)
+    value = positive_int(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
     return value
@@ -53,11 +45,11 @@ def register(subparsers, model_options: Callable, sampling_options: Callable) ->
                         f"(default: the {API_KEY_ENV} environment variable; none if unset)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: the --model value)")
-    g.add_argument("--max-queue", type=_positive_int, default=64,
+    g.add_argument("--max-queue", type=positive_int, default=64,
                    help="requests allowed to wait for the generation thread; more get 503 (default: 64)")
     g.add_argument("--timeout", type=_positive_float, default=600.0,
                    help="seconds a request may take from arrival to its last token, queue included (default: 600)")
-    g.add_argument("--max-tokens-limit", type=_positive_int, default=2048,
+    g.add_argument("--max-tokens-limit", type=positive_int, default=2048,
                    help="largest max_tokens a request may ask for; also caps chat requests without one "
                         "(default: 2048)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
