@@ -25,6 +25,7 @@ class DraftTree:
     parents: Tensor  # [N] long, parent node index, -1 for the root
     scores: Tensor | None = None  # [N] draft path log-prob (root 0), for ordering and statistics
     _children: list[list[int]] | None = field(default=None, repr=False)
+    _depths: Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.tokens.shape != self.parents.shape or self.tokens.dim() != 1:
@@ -44,12 +45,13 @@ class DraftTree:
 
     @property
     def depths(self) -> Tensor:
-        """[N] distance from the root (root = 0)."""
-        depth = torch.zeros(len(self), dtype=torch.long)
-        parents = self.parents.tolist()
-        for i in range(1, len(self)):
-            depth[i] = depth[parents[i]] + 1
-        return depth
+        """[N] distance from the root (root = 0), computed once per tree."""
+        if self._depths is None:
+            depth = [0] * len(self)
+            for i, p in enumerate(self.parents.tolist()[1:], start=1):
+                depth[i] = depth[p] + 1
+            self._depths = torch.tensor(depth, dtype=torch.long)
+        return self._depths
 
     def positions(self, start: int) -> Tensor:
         """[N] position ids: siblings share one, = start + depth."""
