@@ -57,7 +57,7 @@ def _read_lines(path: Path) -> list[str]:
         raise EagleSpecError(f"could not read prompt file '{path}': {exc}") from exc
 
 
-def _parse_json_line(path: Path, number: int, line: str) -> dict:
+def parse_json_line(path: Path, number: int, line: str) -> dict:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -77,7 +77,7 @@ def read_question_file(path: str | Path) -> list[Question]:
     for number, line in enumerate(_read_lines(path), start=1):
         if not line.strip():
             continue
-        row = _parse_json_line(path, number, line)
+        row = parse_json_line(path, number, line)
         if "question_id" not in row:
             raise EagleSpecError(f"{path} line {number}: missing 'question_id'")
         turns = row.get("turns")
@@ -104,7 +104,7 @@ def read_humaneval(path: Path) -> list[Question]:
     for number, line in enumerate(_read_lines(path), start=1):
         if not line.strip():
             continue
-        row = _parse_json_line(path, number, line)
+        row = parse_json_line(path, number, line)
         if "task_id" not in row or "prompt" not in row:
             raise EagleSpecError(f"{path} line {number}: expected 'task_id' and 'prompt'")
         request = "Complete the following Python function.\n\n```python\n" + row["prompt"] + "```"

@@ -7,13 +7,13 @@ kept for the spread.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import EagleSpecError
+from .datasets import parse_json_line
 from .methods import RunOutput
 
 REQUIRED_FIELDS = {
@@ -97,12 +97,7 @@ def read_rows(path: str | Path) -> list[dict]:
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise EagleSpecError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise EagleSpecError(f"{path} line {number}: expected a JSON object")
+        row = parse_json_line(path, number, line)
         for name, kind in REQUIRED_FIELDS.items():
             if name not in row:
                 raise EagleSpecError(f"{path} line {number}: missing field '{name}'")
