@@ -11,6 +11,16 @@ VOCAB = 96
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory):
+    """Converted models and tree calibrations go to a temporary cache, unless EAGLESPEC_CACHE names one."""
+    import os
+
+    if not os.environ.get("EAGLESPEC_CACHE"):
+        os.environ["EAGLESPEC_CACHE"] = str(tmp_path_factory.mktemp("eaglespec-cache"))
+    yield
+
+
 class TinyTokenizer:
     """Enough of a tokenizer for the decoding loop: token i decodes to a short word."""
 
@@ -21,7 +31,7 @@ class TinyTokenizer:
         return "".join(f"<{i}>" for i in ids)
 
     def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": [int(w) % VOCAB for w in text.split()]}
+        return {"input_ids": [(int(w) if w.isdigit() else sum(map(ord, w))) % VOCAB for w in text.split()]}
 
 
 def make_model(arch: str, seed: int = 0, vocab: int = VOCAB, layers: int = 4, **extra):

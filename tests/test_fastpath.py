@@ -55,3 +55,13 @@ def test_backend_selection():
     assert type(make_target(make_model("llama"), "final", "hf")) is TargetModel
     with pytest.raises(EagleSpecError, match="backend hf"):
         make_target(gemma, "final", "fast")
+
+
+def test_a_wide_tree_at_the_end_of_the_context_fits():
+    """A tree needs a cache row per node even where node positions stay inside the context."""
+    model = make_model("llama", max_position_embeddings=40)
+    prompt = list(range(1, 31))
+    tree = TreeSettings(total_tokens=24, depth=3, top_k=8)
+    fast = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle1"), tree=tree, backend="fast")
+    generic = Engine.from_model(model, TinyTokenizer(), method="vanilla", backend="hf")
+    assert fast.generate(prompt, max_new_tokens=10).tokens == generic.generate(prompt, max_new_tokens=10).tokens

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglespec.errors import CheckpointError, HeadMismatchError
-from eaglespec.heads import HeadConfig, build_head, check_head_fits, load_head, save_head
+from eaglespec.errors import CheckpointError, EagleSpecError, HeadMismatchError
+from eaglespec.heads import HeadConfig, build_head, check_head_fits, load_head, save_draft_vocab, save_head
 from eaglespec.heads.layer import KVCache
 from eaglespec.target import TargetModel
 
@@ -133,3 +133,48 @@ def test_bfloat16_save_halves_the_size(tmp_path, target):
     b = save_head(head, tmp_path / "bf16", dtype=torch.bfloat16) / "model.safetensors"
     assert b.stat().st_size < 0.6 * a.stat().st_size
     assert load_head(b.parent).fc.weight.dtype == torch.float32
+
+
+def test_eagle1_draft_vocabulary_subset(tmp_path, target):
+    head = make_head(target, "eagle1")
+    full = head_outputs(head, target)  # [5, V]
+    ranked = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(3))
+    save_head(head, tmp_path / "h")
+    save_draft_vocab(tmp_path / "h", ranked, default_size=30)
+    sub = load_head(tmp_path / "h")
+    ids = torch.sort(ranked[:30]).values
+    assert sub.draft_vocab_size == 30 and torch.equal(sub.vocab_ids, ids)
+    logits = head_outputs(sub, target)  # [5, 30]: the same scores, restricted
+    assert torch.allclose(logits, full[:, ids], atol=1e-5)
+    assert torch.equal(sub.to_target_ids(logits.argmax(-1)), ids[logits.argmax(-1)])
+    assert load_head(tmp_path / "h", draft_vocab=0).draft_vocab_size == target.vocab_size
+    assert load_head(tmp_path / "h", draft_vocab=50).draft_vocab_size == 50
+    assert load_head(tmp_path / "h", draft_vocab=10_000).vocab_ids is None  # >= the vocabulary: all of it
+    save_draft_vocab(save_head(head, tmp_path / "short"), ranked[:40], default_size=30)
+    with pytest.raises(EagleSpecError, match="larger than"):
+        load_head(tmp_path / "short", draft_vocab=50)
+    (tmp_path / "h" / "draft_vocab.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="draft_vocab"):
+        load_head(tmp_path / "h")
+    save_head(make_head(target, "eagle3"), tmp_path / "h3")
+    with pytest.raises(EagleSpecError, match="EAGLE-1"):
+        load_head(tmp_path / "h3", draft_vocab=20)
+    with pytest.raises(EagleSpecError, match="no draft_vocab"):
+        load_head(save_head(make_head(target, "eagle1"), tmp_path / "plain"), draft_vocab=20)
+
+
+def test_eagle1_subset_drafting_is_lossless():
+    from eaglespec import Engine, TreeSettings
+
+    from conftest import TinyTokenizer
+
+    model = make_model("llama")
+    t = TargetModel(model)
+    head = make_head(t, "eagle1")
+    head.set_draft_vocab(torch.arange(0, 96, 3))
+    prompt = [5, 17, 33, 2, 9, 40]
+    vanilla = Engine.from_model(model, TinyTokenizer(), method="vanilla").generate(prompt, max_new_tokens=24).tokens
+    spec = Engine.from_model(model, TinyTokenizer(), head=head, tree=TreeSettings(total_tokens=10, depth=4, top_k=3))
+    result = spec.generate(prompt, max_new_tokens=24)
+    assert result.tokens == vanilla
+    assert result.stats.target_forwards > 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from eaglespec.errors import CheckpointError, EagleSpecError
-from eaglespec.heads import build_head, load_head, save_head
+from eaglespec.heads import build_head, load_head, read_draft_vocab, save_head
 from eaglespec.heads.layer import KVCache
 from eaglespec.heads.config import HeadConfig
 from eaglespec.target import TargetModel
@@ -201,6 +201,12 @@ def test_a_few_steps_reduce_the_loss(tmp_path, data_file, target_model, tok, kin
     assert len(log[-1]["acc"]) == 3 and log[-1]["acc"][0] >= acc_before
     head = load_head(tmp_path / f"run-{kind}" / "head")
     assert head.config.kind == kind
+    if kind == "eagle1":  # the token ranking for drafting over a subset, most frequent answer tokens first
+        ranked, default = read_draft_vocab(tmp_path / f"run-{kind}" / "head")
+        counts = token_counts(trainer.train_examples, 48)
+        assert default == 24 and head.draft_vocab_size == 24
+        assert counts[ranked[:-1]].tolist() == sorted(counts[ranked[:-1]].tolist(), reverse=True)
+        assert set(head.vocab_ids.tolist()) == set(ranked[:24].tolist())
 
 
 def test_resume_continues_at_the_same_step_and_data_position(tmp_path, data_file, target_model, tok):

@@ -43,11 +43,15 @@ class Engine:
         head: str | Path | None = "auto",
         method: str = "eagle2",
         dtype: str | torch.dtype = "float32",
-        tree: TreeSettings | None = None,
+        tree: TreeSettings | str | None = "auto",
         device: str = "cpu",
         draft_model: str | None = None,
         backend: str = "auto",
+        draft_vocab: int | None = None,
     ):
+        """`tree`: "auto" (EAGLE-2 / chain: calibrated for this machine once, then cached), explicit
+        `TreeSettings`, or None (the defaults). `draft_vocab` (EAGLE-1 heads): size of the drafting vocabulary
+        subset, None = the head's default, 0 = the full vocabulary."""
         if method not in METHODS:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
         if method == "sps" and not draft_model:
@@ -65,13 +69,14 @@ class Engine:
                 else:
                     raise EagleSpecError(f"method '{method}' needs a draft head: pass --head DIR or use vanilla")
             else:
-                head_module = load_head(head_dir, dtype=parse_dtype(dtype), device=device)
+                head_module = load_head(head_dir, dtype=parse_dtype(dtype), device=device, draft_vocab=draft_vocab)
         self._setup(hf_model, tokenizer, head_module, method, tree, head_name=str(head), backend=backend)
 
     @classmethod
     def from_model(cls, hf_model, tokenizer, head: DraftHead | None = None, method: str = "eagle2",
-                   tree: TreeSettings | None = None, draft_hf_model=None, backend: str = "auto") -> "Engine":
-        """Wrap an already loaded transformers model (and optionally a head, or a draft model for sps)."""
+                   tree: TreeSettings | str | None = None, draft_hf_model=None, backend: str = "auto") -> "Engine":
+        """Wrap an already loaded transformers model (and optionally a head, or a draft model for sps).
+        `tree` as for `Engine()`, but None (the fixed defaults) by default."""
         engine = cls.__new__(cls)
         engine.notice = ""
         if method not in METHODS:
@@ -85,14 +90,23 @@ class Engine:
                       backend)
         return engine
 
-    def _setup(self, hf_model, tokenizer, head: DraftHead | None, method: str, tree: TreeSettings | None,
+    def _setup(self, hf_model, tokenizer, head: DraftHead | None, method: str, tree: TreeSettings | str | None,
                head_name: str, backend: str = "auto") -> None:
+        if isinstance(tree, str) and tree != "auto":
+            raise EagleSpecError(f"tree must be 'auto' or explicit settings, got '{tree}'")
         feature_kind = None if head is None else ("eagle3" if head.config.kind == "eagle3" else "final")
         self.target = make_target(hf_model, feature_kind=feature_kind, backend=backend)
         self.tokenizer = tokenizer
         self.head = head
         self.method = method
-        self.decoder = SpecDecoder(self.target, tokenizer, self._make_drafter(method, head, tree, head_name))
+        settings = None if isinstance(tree, str) else tree
+        self.decoder = SpecDecoder(self.target, tokenizer, self._make_drafter(method, head, settings, head_name))
+        self.tree_choice = None
+        if tree == "auto" and method in ("eagle2", "chain") and head is not None:
+            from .autotree import auto_tree
+
+            self.tree_choice = auto_tree(self)
+            self.notice = "; ".join(filter(None, [self.notice, self.tree_choice.summary()]))
 
     def _make_drafter(self, method: str, head: DraftHead | None, tree: TreeSettings | None,
                       head_name: str) -> Drafter:

@@ -43,9 +43,26 @@ def model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"],
                    help="target forward: fast = our lean Llama/Qwen2 path, hf = transformers (auto: fast if supported)")
     g.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's)")
-    g.add_argument("--total-tokens", type=positive_int, default=16, help="EAGLE-2: tree nodes verified per step")
-    g.add_argument("--depth", type=positive_int, default=5, help="EAGLE-2 / chain: draft levels")
-    g.add_argument("--tree-top-k", type=positive_int, default=4, help="EAGLE-2: children per expanded node")
+    g.add_argument("--tree", default="auto", choices=["auto", "fixed"],
+                   help="auto = choose total_tokens / depth / top_k for this machine and head (measured once, "
+                        "cached); fixed = the settings below (giving any of them implies fixed)")
+    g.add_argument("--total-tokens", type=positive_int, default=None, help="EAGLE-2: tree nodes verified per step (16)")
+    g.add_argument("--depth", type=positive_int, default=None, help="EAGLE-2 / chain: draft levels (5)")
+    g.add_argument("--tree-top-k", type=positive_int, default=None, help="EAGLE-2: children per expanded node (4)")
+    g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="EAGLE-1 head: draft over its N most frequent tokens (default: the head's own setting; "
+                        "0 = the full vocabulary)")
+
+
+def tree_from_args(args: argparse.Namespace):
+    """'auto' or explicit TreeSettings from --tree / --total-tokens / --depth / --tree-top-k."""
+    from .drafters import TreeSettings
+
+    given = {k: getattr(args, a) for k, a in (("total_tokens", "total_tokens"), ("depth", "depth"),
+                                             ("top_k", "tree_top_k")) if getattr(args, a, None) is not None}
+    if args.tree == "auto" and not given:
+        return "auto"
+    return TreeSettings(**given)
 
 
 def sampling_options(p: argparse.ArgumentParser) -> None:
@@ -71,6 +88,8 @@ def check_options(args: argparse.Namespace) -> None:
         if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
             raise EagleSpecError(f"--max-new-tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, "
                                  f"got {args.max_new_tokens}")
+    if getattr(args, "draft_vocab", None) is not None and args.draft_vocab < 0:
+        raise EagleSpecError(f"--draft-vocab must be 0 (full vocabulary) or a positive size, got {args.draft_vocab}")
     if args.head not in ("auto", None, "") and not (Path(args.head) / "config.json").is_file():
         raise EagleSpecError(f"--head '{args.head}' is not a head folder (no config.json there)")
     if getattr(args, "prompt", None) is not None and not args.prompt.strip():
@@ -82,14 +101,12 @@ def build_engine(args: argparse.Namespace):
     import torch
 
     from .api import Engine
-    from .drafters import TreeSettings
 
     check_options(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    tree = TreeSettings(total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k)
-    engine = Engine(model=args.model, head=args.head, method=args.method, dtype=args.dtype, tree=tree,
-                    draft_model=args.draft_model, backend=args.backend)
+    engine = Engine(model=args.model, head=args.head, method=args.method, dtype=args.dtype, tree=tree_from_args(args),
+                    draft_model=args.draft_model, backend=args.backend, draft_vocab=args.draft_vocab)
     if engine.notice:
         print(f"note: {engine.notice}", file=sys.stderr)
     return engine

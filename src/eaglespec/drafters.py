@@ -106,12 +106,15 @@ class EagleDrafter(Drafter):
         return torch.log_softmax(self.head.logits(hidden, self.lm_head).float(), dim=-1)
 
     # ---- tree growth -----------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
+    def start_round(self, tokens: Tensor, new_features: Tensor | None) -> "_TreeGrowth":
+        """Catch up on the newly committed positions and return an empty tree rooted at tokens[-1]."""
         if new_features is None or new_features.shape[0] == 0:
             raise RuntimeError("the EAGLE drafter needs the target features of the newly committed positions")
-        root_hidden = self._catch_up(tokens, new_features)
-        grow = _TreeGrowth(self, int(tokens[-1]), root_hidden)
+        return _TreeGrowth(self, int(tokens[-1]), self._catch_up(tokens, new_features))
+
+    @torch.inference_mode()
+    def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
+        grow = self.start_round(tokens, new_features)
         if self.mode == "static":
             return grow.static(self.choices)
         s = self.settings

@@ -141,7 +141,8 @@ class FastTarget(TargetModel):
         if top >= self.max_context:
             raise EagleSpecError(f"sequence reaches position {top}, beyond the model's context of {self.max_context}")
         if c + n > self.capacity or top >= self.capacity:
-            self._grow(min(self.max_context, max(2 * self.capacity, c + n, top + 1)))
+            # Rows, not positions: a tree near the end of the context may need more rows than positions.
+            self._grow(max(min(self.max_context, 2 * self.capacity), c + n, top + 1))
         allowed = torch.ones(n, c + n, dtype=torch.bool, device=self.device)  # [n, c + n]
         allowed[:, c:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_() if tree_mask is None \
             else tree_mask.to(self.device)

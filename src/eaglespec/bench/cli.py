@@ -87,7 +87,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from ..decode import eos_ids_of
-    from ..drafters import TreeSettings
+    from ..cli import tree_from_args
     from ..models import load_target, parse_dtype
     from .datasets import load_questions, select
     from .methods import MethodContext, Sampling, build_methods, parse_methods, parse_sweep, unavailable_reason
@@ -104,7 +104,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise EagleSpecError(f"'{out / RESULTS}' exists: pick another --out or pass --force")
     if args.threads:
         torch.set_num_threads(args.threads)
-    tree = TreeSettings(total_tokens=args.total_tokens, depth=args.depth, top_k=args.tree_top_k)
+    tree = tree_from_args(args)
     head, head3 = _head_dirs(args)
 
     model, tokenizer = load_target(args.model, dtype=args.dtype)
@@ -112,7 +112,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ctx = MethodContext(model=model, tokenizer=tokenizer, model_name=args.model, tree=tree, head_dir=head,
                         head3_dir=head3, draft_model=draft, dtype=parse_dtype(args.dtype),
                         threads=torch.get_num_threads(), eos_ids=eos_ids_of(model, tokenizer),
-                        backend=getattr(args, "backend", "auto"))
+                        backend=getattr(args, "backend", "auto"), draft_vocab=args.draft_vocab)
     if requested.strip() == "all":
         skipped = [(n, unavailable_reason(n, ctx)) for n in names]
         for n, reason in skipped:
@@ -137,13 +137,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup, system=args.system,
         settings={"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
                   "backend": getattr(args, "backend", "auto"),
-                  "tree": {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k},
+                  "tree": tree if tree == "auto" else {"total_tokens": tree.total_tokens, "depth": tree.depth,
+                                                       "top_k": tree.top_k},
+                  "draft_vocab": args.draft_vocab,
                   "sweep": args.sweep, "head": str(head) if head else None, "head3": str(head3) if head3 else None,
                   "draft_model": args.draft_model, "categories": args.categories, "limit": args.limit,
                   "per_category": args.per_category, "turns": args.turns},
     )
     print(f"bench: {len(questions)} questions, methods {', '.join(m.name for m in methods)} -> {out}",
           file=sys.stderr)
+    print(f"bench: dtype {args.dtype}, {torch.get_num_threads()} torch threads, backend {config.settings['backend']}",
+          file=sys.stderr)
+    for m in methods:
+        if "tree" in m.settings:
+            print(f"bench: {m.name} tree {m.settings['tree']}", file=sys.stderr)
     run_benchmark(methods, questions, encode, decode, config, out, progress=not args.no_progress,
                   command=["eaglespec"] + sys.argv[1:])
     for path in write_report(out):

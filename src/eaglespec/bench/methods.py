@@ -189,7 +189,7 @@ class MethodContext:
     model: object  # transformers causal LM (the target)
     tokenizer: object
     model_name: str  # registry name or path (for llama.cpp's GGUF file)
-    tree: TreeSettings
+    tree: TreeSettings | str  # or "auto" (calibrated per head, see eaglespec.autotree)
     head_dir: Path | None = None  # EAGLE head for eagle2 / eagle1 / chain
     head3_dir: Path | None = None  # EAGLE-3 head for eagle3
     draft_model: object | None = None  # sps and hf-assisted
@@ -197,6 +197,7 @@ class MethodContext:
     threads: int = 1
     eos_ids: list[int] = field(default_factory=list)
     backend: str = "auto"  # our loop's target backend (see eaglespec.fastpath)
+    draft_vocab: int | None = None  # EAGLE-1 head drafting subset (None = the head's default, 0 = full)
 
 
 def parse_methods(text: str) -> list[str]:
@@ -266,10 +267,10 @@ def _tree_dict(tree: TreeSettings) -> dict:
     return {k: getattr(tree, k) for k in TREE_KEYS}
 
 
-def _load_head(folder: Path, dtype: torch.dtype):
+def _load_head(folder: Path, dtype: torch.dtype, draft_vocab: int | None = None):
     from ..heads import load_head
 
-    return load_head(folder, dtype=dtype)
+    return load_head(folder, dtype=dtype, draft_vocab=draft_vocab)
 
 
 def build_methods(names: list[str], ctx: MethodContext, sweep: tuple[str, list[int]] | None = None) -> list[BenchMethod]:
@@ -295,18 +296,25 @@ def build_methods(names: list[str], ctx: MethodContext, sweep: tuple[str, list[i
         if name in ("eagle2", "eagle1", "chain", "eagle3"):
             folder = ctx.head3_dir if name == "eagle3" else ctx.head_dir
             if str(folder) not in heads:
-                heads[str(folder)] = _load_head(folder, ctx.dtype)
+                heads[str(folder)] = _load_head(folder, ctx.dtype, None if name == "eagle3" else ctx.draft_vocab)
             head = heads[str(folder)]
         engine_method = "eagle2" if name == "eagle3" else name
         values = sweep[1] if sweep and name in SWEEP_AFFECTS[sweep[0]] else [None]
         for value in values:
-            tree = ctx.tree if value is None else TreeSettings(**{**_tree_dict(ctx.tree), sweep[0]: value})
+            base = TreeSettings() if ctx.tree == "auto" else ctx.tree
+            tree = ctx.tree if value is None else TreeSettings(**{**_tree_dict(base), sweep[0]: value})
             engine = Engine.from_model(ctx.model, ctx.tokenizer, head=head, method=engine_method, tree=tree,
                                        draft_hf_model=ctx.draft_model if name == "sps" else None,
                                        backend=ctx.backend)
             settings = {"target": type(engine.target).__name__}
             if name != "vanilla":
-                settings["tree"] = _tree_dict(tree)
+                drafter_settings = getattr(engine.drafter, "settings", None)
+                settings["tree"] = _tree_dict(drafter_settings if drafter_settings is not None else base)
+                if engine.tree_choice is not None:
+                    settings["tree_auto"] = {"expected_tau": engine.tree_choice.expected_tau,
+                                             "expected_tokens_per_s": engine.tree_choice.expected_tokens_per_s}
+            if head is not None and head.config.kind == "eagle1":
+                settings["draft_vocab"] = head.draft_vocab_size
             if head is not None:
                 settings["head"] = str(ctx.head3_dir if name == "eagle3" else ctx.head_dir)
                 settings["head_kind"] = head.config.kind

@@ -8,15 +8,19 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ..errors import CheckpointError, HeadMismatchError
+from ..errors import CheckpointError, EagleSpecError, HeadMismatchError
 from .base import DraftHead
 from .config import HeadConfig
 from .eagle1 import Eagle1Head
 from .eagle3 import Eagle3Head
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# EAGLE-1 heads may carry a frequency ranking of target tokens, so that drafting scores a subset of the
+# vocabulary. A separate file, because the published EAGLE-1 layout has no such weight.
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 # Keys that official checkpoints may carry but we take from the target instead (its frozen embedding).
 TARGET_OWNED_KEYS = ("embed_tokens.weight",)
 
@@ -54,8 +58,62 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"no head weights in '{folder}' (expected one of {', '.join(WEIGHT_FILES)})")
 
 
-def load_head(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DraftHead:
-    """Load a head from our layout or an official EAGLE / EAGLE-3 checkpoint directory."""
+def save_draft_vocab(folder: str | Path, ranked_ids: torch.Tensor, default_size: int) -> Path:
+    """Write an EAGLE-1 head's token ranking ([N] long, most frequent first) and the subset size used by default."""
+    path = Path(folder) / DRAFT_VOCAB_FILE
+    if not 0 < default_size <= ranked_ids.numel():
+        raise ValueError(f"default draft vocabulary size {default_size} must be in 1..{ranked_ids.numel()}")
+    save_file({"ranked_ids": ranked_ids.long().contiguous()}, str(path),
+              metadata={"format": "pt", "default_size": str(default_size)})
+    return path
+
+
+def read_draft_vocab(folder: str | Path) -> tuple[torch.Tensor, int] | None:
+    """(ranked ids [N], default size) of an EAGLE-1 head folder, or None when it has no ranking."""
+    path = Path(folder) / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            ranked = f.get_tensor("ranked_ids")
+            default = int((f.metadata() or {}).get("default_size", ranked.numel()))
+    except (SafetensorError, RuntimeError, OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"'{path}' is corrupt or unreadable ({exc}); delete it to draft over the full vocabulary") from exc
+    if ranked.dim() != 1 or ranked.dtype != torch.long or not 0 < default <= ranked.numel():
+        raise CheckpointError(f"'{path}' is malformed: expected 1-D int64 'ranked_ids' and 0 < default_size <= its length")
+    return ranked, default
+
+
+def apply_draft_vocab(head: DraftHead, folder: Path, size: int | None) -> None:
+    """Restrict an EAGLE-1 head to its `size` most frequent tokens (None = the file's default, 0 = full)."""
+    if head.config.kind != "eagle1":
+        if size:
+            raise EagleSpecError("--draft-vocab applies to EAGLE-1 heads; an EAGLE-3 head has its own fixed vocabulary")
+        return
+    ranking = read_draft_vocab(folder)
+    if ranking is None:
+        if size:
+            raise EagleSpecError(f"the head in '{folder}' has no {DRAFT_VOCAB_FILE} token ranking; train it with "
+                                 "`eaglespec train head` or pass --draft-vocab 0")
+        return
+    ranked, default = ranking
+    n = default if size is None else size
+    if n < 0:
+        raise EagleSpecError(f"--draft-vocab must be 0 (full vocabulary) or a positive size, got {n}")
+    if n == 0 or n >= head.config.vocab_size:
+        head.set_draft_vocab(None)
+        return
+    if n > ranked.numel():
+        raise EagleSpecError(f"--draft-vocab {n} is larger than the head's ranking of {ranked.numel()} tokens")
+    if int(ranked.max()) >= head.config.vocab_size or int(ranked.min()) < 0:
+        raise CheckpointError(f"'{folder / DRAFT_VOCAB_FILE}' holds token ids outside the vocabulary")
+    head.set_draft_vocab(torch.sort(ranked[:n]).values)
+
+
+def load_head(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+              draft_vocab: int | None = None) -> DraftHead:
+    """Load a head from our layout or an official EAGLE / EAGLE-3 checkpoint directory. `draft_vocab` (EAGLE-1):
+    the size of the drafting vocabulary subset (None = the head's default, 0 = full vocabulary)."""
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -84,7 +142,9 @@ def load_head(folder: str | Path, dtype: torch.dtype = torch.float32, device: st
         if value.is_floating_point() and not torch.isfinite(value).all():
             raise CheckpointError(f"head weight '{key}' holds NaN or infinite values: the checkpoint is corrupt")
     head.load_state_dict(state)
-    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    apply_draft_vocab(head, folder, draft_vocab)
+    return head
 
 
 def check_head_fits(head: DraftHead, target, head_name: str = "the head") -> None:

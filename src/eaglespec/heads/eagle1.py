@@ -1,9 +1,12 @@
 """EAGLE-1 head: fc(concat(embed(x_{t+1}), f_t)) -> one decoder layer (no input norm) -> predicted feature;
-token logits through the target's frozen LM head."""
+token logits through the target's frozen LM head, optionally restricted to a frequency-ranked subset of the
+vocabulary (`set_draft_vocab`): on a small model the full-vocabulary LM head dominates a draft step, and the subset
+only changes which tokens the draft may propose, never what the target accepts."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import DraftHead
@@ -18,6 +21,23 @@ class Eagle1Head(DraftHead):
         d = config.hidden_size
         self.fc = nn.Linear(2 * d, d, bias=config.bias)
         self.layers = nn.ModuleList([DecoderLayer(config.layer_shape())])
+        # Target ids the draft scores ([Vd] long), None = the full vocabulary. Not part of the published weights.
+        self.register_buffer("vocab_ids", None, persistent=False)
+        self._rows: tuple[int, torch.dtype, Tensor] | None = None  # (weight storage, dtype, lm_head rows [Vd, d])
+
+    def set_draft_vocab(self, target_ids: Tensor | None) -> None:
+        """Draft over these target token ids only ([Vd] long), or over the full vocabulary (None)."""
+        if target_ids is not None:
+            target_ids = target_ids.long().flatten()
+            if target_ids.numel() == 0 or int(target_ids.min()) < 0 or int(target_ids.max()) >= self.config.vocab_size:
+                raise ValueError(f"draft vocabulary ids must lie in 0..{self.config.vocab_size - 1}")
+            target_ids = target_ids.to(self.fc.weight.device)
+        self.vocab_ids = target_ids
+        self._rows = None
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.vocab_size if self.vocab_ids is None else self.vocab_ids.numel()
 
     def lift(self, features: Tensor) -> Tensor:
         return features  # the target's post-norm last hidden state is already the head's hidden
@@ -30,4 +50,15 @@ class Eagle1Head(DraftHead):
         return self.layers[0]
 
     def logits(self, hidden: Tensor, target_lm_head: nn.Module) -> Tensor:
-        return target_lm_head(hidden)
+        """[T, d] -> [T, Vd] (Vd = V without a draft vocabulary)."""
+        if self.vocab_ids is None:
+            return target_lm_head(hidden)
+        weight = target_lm_head.weight  # [V, d]
+        key = (weight.data_ptr(), weight.dtype)
+        if self._rows is None or self._rows[:2] != key:
+            self._rows = (*key, weight.detach().index_select(0, self.vocab_ids).contiguous())  # [Vd, d]
+        bias = getattr(target_lm_head, "bias", None)
+        return F.linear(hidden, self._rows[2], None if bias is None else bias[self.vocab_ids])
+
+    def to_target_ids(self, draft_ids: Tensor) -> Tensor:
+        return draft_ids if self.vocab_ids is None else self.vocab_ids[draft_ids]

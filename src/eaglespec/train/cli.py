@@ -111,7 +111,7 @@ def register_head(sub) -> None:
     h.add_argument("--weight-decay", type=float, default=0.0)
     h.add_argument("--grad-clip", type=float, default=0.5)
     h.add_argument("--noise", type=float, default=None, help="input feature noise (default 0.1 EAGLE-1, 0 EAGLE-3)")
-    h.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3 reduced vocabulary size")
+    h.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3 reduced vocabulary size; EAGLE-1: the drafting subset written beside the head")
     h.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 training-time test depth")
     h.add_argument("--eval-steps", type=int, default=5, help="held-out accuracy at draft steps 1..N")
     h.add_argument("--eval-size", type=int, default=32, help="held-out conversations")

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import EagleSpecError, HeadMismatchError
-from ..heads import DraftHead, HeadConfig, load_head, save_head
+from ..heads import DraftHead, HeadConfig, load_head, read_draft_vocab, save_draft_vocab, save_head
 from ..models import parse_dtype
 
 
@@ -61,7 +61,9 @@ def export_head(src: str | Path, dst: str | Path, layout: str = "official", weig
     if model:
         attach_target(head, model)
     if layout == "eaglespec":
-        return save_head(head, dst, dtype=out_dtype)
+        save_head(head, dst, dtype=out_dtype)
+        _copy_ranking(src, dst)
+        return dst
     if layout != "official":
         raise EagleSpecError(f"unknown layout '{layout}' (use official or eaglespec)")
     dst.mkdir(parents=True, exist_ok=True)
@@ -71,4 +73,12 @@ def export_head(src: str | Path, dst: str | Path, layout: str = "official", weig
     else:
         save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps(official_config(head, out_dtype), indent=2) + "\n")
+    _copy_ranking(src, dst)
     return dst
+
+
+def _copy_ranking(src: Path, dst: Path) -> None:
+    """Keep an EAGLE-1 head's token ranking (a side file the official loaders ignore)."""
+    ranking = read_draft_vocab(src)
+    if ranking is not None:
+        save_draft_vocab(dst, *ranking)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, EagleSpecError
-from ..heads import DraftHead, HeadConfig, build_head, load_head, save_head
+from ..heads import DraftHead, HeadConfig, build_head, load_head, save_draft_vocab, save_head
 from ..target import TargetModel
 from .data import Example, encode_dataset, read_conversations
 from .evaluate import draft_accuracy, format_accuracy, log_jsonl
@@ -206,6 +206,15 @@ class Trainer:
             self.print(f"draft vocabulary: {ids.numel()} tokens cover {coverage(counts, ids):.1%} of the training answers")
         return head.to(self.accelerator.device).train()
 
+    def _save_token_ranking(self, folder: Path) -> None:
+        """EAGLE-1: rank target tokens by frequency in the training answers, so drafting can score a subset."""
+        counts = token_counts(self.train_examples, self.target.vocab_size)
+        size = min(self.config.draft_vocab_size, self.target.vocab_size)
+        ranked = torch.sort(-counts, stable=True).indices[: max(size, min(4 * size, self.target.vocab_size))]
+        save_draft_vocab(folder, ranked, size)
+        self.print(f"draft vocabulary for drafting: {size} tokens cover {coverage(counts, ranked[:size]):.1%} "
+                   "of the training answers (--draft-vocab to change, 0 = full)")
+
     def print(self, text: str) -> None:
         if self.accelerator.is_main_process:
             print(text, file=sys.stderr, flush=True)
@@ -338,5 +347,7 @@ class Trainer:
                 from ..models import parse_dtype
 
                 save_head(self.unwrapped(), self.out / "head", dtype=parse_dtype(c.save_dtype))
+                if c.kind == "eagle1":
+                    self._save_token_ranking(self.out / "head")
                 self.print(f"head written to {self.out / 'head'}")
         return self.unwrapped()

@@ -1,0 +1,292 @@
+"""Hardware-aware EAGLE-2 trees (`--tree auto`): choose total_tokens, depth and top_k for the machine at hand.
+
+Expected speed of a tree setting = E[accepted length] / (draft time + verify time). Three measurements feed it:
+
+1. **Verify cost**: the target's forward time for n tree tokens, n = 1..64 (how it grows depends on the machine,
+   the dtype and the backend). Cached per model, dtype, backend, CPU, threads and torch version.
+2. **Draft cost**: the time the head takes to grow a tree `depth` levels deep expanding `top_k` nodes per level.
+3. **Acceptance**: the head drafts one large tree at many positions of a few greedy continuations of
+   calibration prompts, and every node is marked correct when its path equals the target's own continuation.
+   Any smaller setting's accepted length is then replayed exactly from those records: the EAGLE-2 growth of a
+   smaller tree only uses candidates the large one also produced, as long as the large one expanded them
+   (it expands the best `CALIBRATION_TOP_K` nodes of each level; the rare miss counts as not accepted).
+
+Acceptance depends on the head and the target, not on the machine; costs depend on both. The whole choice is
+cached in `<cache>/trees/`, so the calibration (tens of seconds on a 2-core CPU) runs once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .drafters import EagleDrafter, TreeSettings
+from .target import TargetModel
+
+CALIBRATION_PROMPTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a hash table works and give a small Python example.",
+    "A train leaves at 3 pm and travels 120 km at 80 km/h. When does it arrive? Explain step by step.",
+    "What are the main causes of the French Revolution?",
+    "Give me five tips for writing a clear technical email.",
+    "Rewrite this sentence in a formal tone: hey, the meeting got moved to friday, can u make it?",
+)
+CALIBRATION_DEPTH = 8  # the large tree the head drafts at every calibration position
+CALIBRATION_TOP_K = 8
+TREE_SIZES = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # total_tokens candidates (root included)
+DEPTHS = tuple(range(1, CALIBRATION_DEPTH + 1))
+TOP_KS = (1, 2, 3, 4, 6, 8)
+VERSION = 1  # bump when the calibration changes meaning
+
+
+@dataclass
+class Candidates:
+    """Every candidate of one large draft tree: node 0 is the root; `correct[i]` when node i's path equals the
+    target's greedy continuation; `kids[i]` the children of node i, best first (empty if never expanded)."""
+
+    parents: list[int]
+    depths: list[int]
+    scores: list[float]
+    correct: list[bool]
+    kids: list[list[int]]
+
+    def accepted_length(self, total_tokens: int, depth: int, top_k: int) -> int:
+        """Tokens one verify step would yield (accepted + bonus) with this EAGLE-2 setting."""
+        frontier = self.kids[0][:top_k]
+        generated = list(frontier)
+        for _ in range(depth - 1):
+            level = [c for f in frontier for c in self.kids[f][:top_k]]
+            level.sort(key=lambda c: -self.scores[c])
+            generated += level
+            frontier = level[:top_k]
+        kept = set(sorted(generated, key=lambda c: -self.scores[c])[: total_tokens - 1])
+        best = 0
+        for c in kept:
+            if self.correct[c] and self.depths[c] > best and self._path_kept(c, kept):
+                best = self.depths[c]
+        return best + 1
+
+    def _path_kept(self, node: int, kept: set[int]) -> bool:
+        while node > 0:
+            if node not in kept:
+                return False
+            node = self.parents[node]
+        return True
+
+
+@dataclass
+class TreeChoice:
+    settings: TreeSettings
+    expected_tau: float
+    expected_tokens_per_s: float
+    verify_ms: dict[int, float]  # total_tokens -> ms per target forward
+    draft_ms: dict[str, float]  # "depth,top_k" -> ms per drafted tree
+    ranking: list[dict]  # the best settings considered, best first
+    positions: int  # calibration positions the acceptance was replayed on
+    cached: bool = False
+
+    def summary(self) -> str:
+        s = self.settings
+        return (f"tree auto: total_tokens={s.total_tokens} depth={s.depth} top_k={s.top_k} "
+                f"(expected tau {self.expected_tau:.2f}, ~{self.expected_tokens_per_s:.0f} tokens/s on this machine)")
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["settings"] = {"total_tokens": s.total_tokens, "depth": s.depth, "top_k": s.top_k} if (s := self.settings) else None
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TreeChoice":
+        d = dict(d)
+        d["settings"] = TreeSettings(**d["settings"])
+        d["verify_ms"] = {int(k): v for k, v in d["verify_ms"].items()}
+        d["cached"] = True
+        return cls(**d)
+
+
+# ---- measurements -----------------------------------------------------------------------------------------
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def verify_costs(target: TargetModel, sizes=TREE_SIZES, context: int = 192, repeats: int = 3) -> dict[int, float]:
+    """Milliseconds per target forward of n tree tokens after `context` committed tokens: {n: ms}."""
+    vocab = target.vocab_size
+    context = max(1, min(context, target.max_context // 2))
+    out: dict[int, float] = {}
+    with torch.inference_mode():
+        for n in sorted({s for s in set(sizes) | {1} if context + s + repeats + 1 <= target.max_context}):
+            target.reset()
+            target.forward(torch.randint(0, vocab, (context,)))
+            target.commit()
+            tokens = torch.randint(0, vocab, (n,))
+            mask = torch.ones(n, n, dtype=torch.bool).tril_()
+
+            def one() -> None:
+                target.forward(tokens, torch.arange(target.cache_len, target.cache_len + n), mask)
+                target.commit(torch.zeros(1, dtype=torch.long))
+
+            out[n] = 1000 * _median_time(one, repeats)
+    target.reset()
+    return out
+
+
+def _greedy_sequences(engine, prompts, new_tokens: int) -> list[tuple[list[int], int]]:
+    """(prompt + greedy continuation, prompt length) for each calibration prompt."""
+    seqs = []
+    for prompt in prompts:
+        ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        room = engine.target.max_context - len(ids)
+        if room < CALIBRATION_DEPTH + 2:
+            continue
+        result = engine.generate(ids, max_new_tokens=min(new_tokens, room))
+        seqs.append((ids + list(result.tokens), len(ids)))
+    return seqs
+
+
+def record_candidates(drafter: EagleDrafter, target: TargetModel, sequences: list[tuple[list[int], int]],
+                      stride: int = 2, depth: int = CALIBRATION_DEPTH, top_k: int = CALIBRATION_TOP_K,
+                      time_settings: list[tuple[int, int]] | None = None,
+                      time_rounds: int = 3) -> tuple[list[Candidates], dict[str, float]]:
+    """Draft a large tree at every `stride`-th generated position; also time drafting for `time_settings`
+    (depth, top_k) pairs on the first `time_rounds` positions. Returns (candidates, {"depth,top_k": ms})."""
+    rounds: list[Candidates] = []
+    timings: dict[str, list[float]] = {}
+    timed = 0
+    with torch.inference_mode():
+        for seq, prompt_len in sequences:
+            target.reset()
+            features = target.forward(torch.tensor(seq)).features  # [L, F]
+            target.reset()
+            drafter.reset()
+            seen = 0
+            for p in range(prompt_len, len(seq) - depth, stride):  # root = seq[p], truth = seq[p+1 .. p+depth]
+                grow = drafter.start_round(torch.tensor(seq[: p + 1]), features[seen:p])
+                seen = p
+                if time_settings and timed < time_rounds:
+                    timed += 1
+                    for d, k in time_settings:
+                        t0 = time.perf_counter()
+                        type(grow)(drafter, seq[p], grow.out_hidden[0]).dynamic(total_tokens=2, depth=d, top_k=k)
+                        timings.setdefault(f"{d},{k}", []).append(1000 * (time.perf_counter() - t0))
+                        drafter.cache.rollback()  # drop the tree entries
+                grow.dynamic(total_tokens=2, depth=depth, top_k=top_k)
+                rounds.append(_candidates(grow, seq[p + 1 : p + 1 + depth]))
+    drafter.reset()
+    target.reset()
+    return rounds, {key: statistics.median(v) for key, v in timings.items()}
+
+
+def _candidates(grow, truth: list[int]) -> Candidates:
+    n = len(grow.tokens)
+    kids: list[list[int]] = [[] for _ in range(n)]
+    for c in range(1, n):
+        kids[grow.parents[c]].append(c)  # added best first per parent (top-k order)
+    correct = [True] + [False] * (n - 1)
+    for c in range(1, n):  # parents precede children
+        d = grow.depths[c]
+        correct[c] = correct[grow.parents[c]] and d <= len(truth) and grow.tokens[c] == truth[d - 1]
+    return Candidates(list(grow.parents), list(grow.depths), list(grow.scores), correct, kids)
+
+
+def choose(rounds: list[Candidates], verify_ms: dict[int, float], draft_ms: dict[str, float],
+           mode: str = "dynamic", keep: int = 12) -> TreeChoice:
+    """The setting with the highest expected tokens per second."""
+    rows = []
+    for d in DEPTHS:
+        for k in (1,) if mode == "chain" else TOP_KS:
+            key = f"{d},{k}"
+            if key not in draft_ms:
+                continue
+            sizes = [d + 1] if mode == "chain" else [t for t in TREE_SIZES if t - 1 <= k + (d - 1) * k * k]
+            for t in sizes:
+                if t not in verify_ms:
+                    continue
+                tau = sum(r.accepted_length(t, d, k) for r in rounds) / max(1, len(rounds))
+                step_ms = draft_ms[key] + verify_ms[t]
+                rows.append({"total_tokens": t, "depth": d, "top_k": k, "tau": round(tau, 3),
+                             "draft_ms": round(draft_ms[key], 2), "verify_ms": round(verify_ms[t], 2),
+                             "tokens_per_s": round(1000 * tau / step_ms, 2)})
+    if not rows:
+        raise ValueError("no tree setting could be evaluated (empty calibration)")
+    rows.sort(key=lambda r: -r["tokens_per_s"])
+    best = rows[0]
+    settings = TreeSettings(total_tokens=best["total_tokens"], depth=best["depth"], top_k=best["top_k"])
+    return TreeChoice(settings, best["tau"], best["tokens_per_s"], verify_ms, draft_ms, rows[:keep], len(rounds))
+
+
+# ---- caching and the entry point ----------------------------------------------------------------------------
+def machine_key() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        cpu += "|" + torch.cuda.get_device_name()
+    return f"{cpu}|{os.cpu_count()}cpu|{torch.get_num_threads()}threads|torch{torch.__version__}"
+
+
+def _fingerprint(module: torch.nn.Module) -> str:
+    """A cheap identity for a set of weights: shapes plus a few sums."""
+    h = hashlib.sha1()
+    for name, t in sorted(module.state_dict().items())[:64]:
+        h.update(f"{name}{tuple(t.shape)}{t.dtype}{float(t.float().sum()):.6e}".encode())
+    return h.hexdigest()[:16]
+
+
+def cache_path(engine, mode: str) -> Path:
+    from .models import cache_root
+
+    target = engine.target
+    key = "|".join([
+        str(VERSION), mode, _fingerprint(engine.head), _fingerprint(target.model), type(target).__name__, str(target.dtype),
+        getattr(target.config, "_name_or_path", ""), str(target.num_layers), str(target.hidden_size), machine_key(),
+    ])
+    return cache_root() / "trees" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.json"
+
+
+def auto_tree(engine, prompts=CALIBRATION_PROMPTS, new_tokens: int = 96, stride: int = 2,
+              use_cache: bool = True, progress: bool = True) -> TreeChoice:
+    """Calibrate (or read the cached calibration) and set the engine's drafter to the best tree."""
+    drafter = engine.drafter
+    if not isinstance(drafter, EagleDrafter) or drafter.mode == "static":
+        raise ValueError("tree auto applies to EAGLE-2 (dynamic) and chain drafting")
+    path = cache_path(engine, drafter.mode)
+    if use_cache and path.is_file():
+        try:
+            choice = TreeChoice.from_json(json.loads(path.read_text()))
+            drafter.settings = choice.settings
+            return choice
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            path.unlink(missing_ok=True)  # unreadable: calibrate again
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
+    say("tree auto: calibrating the draft tree for this machine (once; cached in "
+        f"{path.parent}) ...")
+    t0 = time.perf_counter()
+    verify_ms = verify_costs(engine.target)
+    sequences = _greedy_sequences(engine, prompts, new_tokens)
+    pairs = [(d, 1) for d in DEPTHS] if drafter.mode == "chain" else [(d, k) for d in DEPTHS for k in TOP_KS]
+    rounds, draft_ms = record_candidates(drafter, engine.target, sequences, stride=stride, time_settings=pairs)
+    choice = choose(rounds, verify_ms, draft_ms, mode=drafter.mode)
+    drafter.settings = choice.settings
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(choice.to_json(), indent=1) + "\n")
+    say(f"tree auto: calibrated in {time.perf_counter() - t0:.0f} s on {choice.positions} positions")
+    return choice

@@ -1,0 +1,145 @@
+"""`--tree auto`: the replay of smaller trees from one large calibration tree, the choice, the cache."""
+
+import random
+
+import pytest
+import torch
+
+from eaglespec import Engine, TreeSettings
+from eaglespec.autotree import Candidates, _candidates, auto_tree, cache_path, choose, verify_costs
+from eaglespec.drafters import EagleDrafter
+from eaglespec.fastpath import make_target
+
+from conftest import TinyTokenizer, make_model
+from test_engine import random_head, vanilla_tokens
+
+
+def accepted_in(tree, truth: list[int]) -> int:
+    """Accepted length (bonus included) of a drafted DraftTree when the target's continuation is `truth`."""
+    node, depth = 0, 0
+    tokens, kids = tree.tokens.tolist(), tree.children()
+    while depth < len(truth):
+        nxt = [c for c in kids[node] if tokens[c] == truth[depth]]
+        if not nxt:
+            break
+        node, depth = nxt[0], depth + 1
+    return depth + 1
+
+
+def test_replay_on_a_hand_built_tree():
+    # root -> a (-0.1), b (-1.0); a -> c (-0.3), d (-0.5); b -> e (-1.2); c -> f (-0.4). Truth follows a, c, f.
+    parents = [-1, 0, 0, 1, 1, 2, 3]
+    scores = [0.0, -0.1, -1.0, -0.3, -0.5, -1.2, -0.4]
+    depths = [0, 1, 1, 2, 2, 2, 3]
+    correct = [True, True, False, True, False, False, True]
+    kids = [[1, 2], [3, 4], [5], [6], [], [], []]
+    c = Candidates(parents, depths, scores, correct, kids)
+    assert c.accepted_length(total_tokens=2, depth=1, top_k=1) == 2  # a
+    assert c.accepted_length(total_tokens=4, depth=3, top_k=1) == 4  # a, c, f
+    assert c.accepted_length(total_tokens=3, depth=3, top_k=1) == 3  # f cut by the size limit
+    # top_k=2: level 2 = c, d, e; frontier c, d; f (-0.4) outranks d (-0.5) and b (-1.0).
+    assert c.accepted_length(total_tokens=4, depth=3, top_k=2) == 4  # keeps a, c, f
+    assert c.accepted_length(total_tokens=8, depth=2, top_k=2) == 3  # depth 2 never reaches f
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_replay_matches_the_tree_actually_drafted(kind):
+    model = make_model("llama")
+    head = random_head(model, kind)
+    target = make_target(model, feature_kind="eagle3" if kind == "eagle3" else "final")
+    drafter = EagleDrafter(head, target.embed_tokens, target.lm_head, "dynamic")
+    prompt = [5, 17, 33, 2, 9, 40]
+    seq = prompt + vanilla_tokens(model, prompt, 30)
+    rng = random.Random(0)
+    big_depth, big_k = 4, 4
+    with torch.inference_mode():
+        features = target.forward(torch.tensor(seq)).features
+        target.reset()
+        seen, checked, nontrivial = 0, 0, 0
+        for p in range(len(prompt), len(seq) - big_depth):
+            grow = drafter.start_round(torch.tensor(seq[: p + 1]), features[seen:p])
+            seen = p
+            settings = [(12, 4, 4), (6, 3, 4), (9, 4, 2), (4, 2, 3), (5, 4, 1)]
+            small = {}
+            for t, d, k in settings:
+                small[(t, d, k)] = type(grow)(drafter, seq[p], grow.out_hidden[0]).dynamic(t, d, k)
+                drafter.cache.rollback()
+            grow.dynamic(total_tokens=2, depth=big_depth, top_k=big_k)
+            for (t, d, k), tree in small.items():
+                # A continuation that follows a random path of the drafted tree, then leaves it.
+                node = rng.randrange(len(tree))
+                truth = [int(tree.tokens[i]) for i in tree.path(node)[1:]] + [rng.randrange(96)] * 4
+                expected = accepted_in(tree, truth)
+                replayed = _candidates(grow, truth).accepted_length(t, d, k)
+                if k == big_k:  # same frontier as the large tree: exact by construction
+                    assert replayed == expected, (p, t, d, k)
+                else:
+                    assert replayed <= expected
+                    checked += replayed == expected
+                nontrivial += expected > 2
+    assert nontrivial > 20  # the check covered real multi-token acceptances
+    assert checked >= 0.9 * 3 * (len(seq) - big_depth - len(prompt))
+
+
+def test_choice_follows_the_cost_of_verifying():
+    # One position where a chain of 6 would be accepted entirely, and the second-ranked branch never.
+    n = 1 + 2 * 6
+    parents, depths, scores, correct, kids = [-1], [0], [0.0], [True], [[]]
+    prev = 0
+    for d in range(1, 7):
+        for rank in range(2):
+            parents.append(prev)
+            depths.append(d)
+            scores.append(scores[prev] - 0.1 - rank)
+            correct.append(correct[prev] and rank == 0)
+            kids.append([])
+            kids[prev].append(len(parents) - 1)
+        prev = kids[prev][0]
+    assert len(parents) == n
+    rounds = [Candidates(parents, depths, scores, correct, kids)]
+    draft = {f"{d},{k}": 1.0 * d for d in range(1, 9) for k in (1, 2, 3, 4, 6, 8)}
+    flat = {t: 10.0 for t in (1, 2, 3, 4, 6, 8, 10, 12, 16)}
+    steep = {t: 10.0 * t for t in (1, 2, 3, 4, 6, 8, 10, 12, 16)}
+    deep = choose(rounds, flat, draft)
+    assert deep.expected_tau == 7.0 and deep.settings.depth == 6
+    shallow = choose(rounds, steep, draft)
+    assert shallow.settings.total_tokens == 2 and shallow.expected_tau == 2.0
+    assert shallow.ranking[0]["tokens_per_s"] >= shallow.ranking[-1]["tokens_per_s"]
+
+
+def test_verify_costs_cover_the_sizes_that_fit():
+    model = make_model("llama")  # context 512
+    costs = verify_costs(make_target(model, feature_kind=None), sizes=(2, 8, 32), context=64, repeats=1)
+    assert set(costs) == {1, 2, 8, 32} and all(v > 0 for v in costs.values())
+    small = make_model("llama", max_position_embeddings=48)
+    assert max(verify_costs(make_target(small, feature_kind=None), sizes=(2, 8, 32), context=64, repeats=1)) == 8
+
+
+def test_auto_tree_engine_is_lossless_and_cached():
+    model = make_model("llama")
+    head = random_head(model, "eagle3")
+    engine = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2")
+    choice = auto_tree(engine, prompts=[[5, 17, 33, 2, 9, 40], [60, 61, 62]], new_tokens=24)
+    assert not choice.cached and choice.positions == 2 * 8  # (24 - 8) / 2 positions per prompt
+    assert choice.settings == engine.drafter.settings
+    s = engine.drafter.settings
+    assert 2 <= s.total_tokens <= 64 and 1 <= s.depth <= 8 and 1 <= s.top_k <= 8
+    assert cache_path(engine, "dynamic").is_file()
+    again = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2", tree="auto")  # reads the cache
+    assert again.tree_choice.cached and again.drafter.settings == s
+    prompt = [5, 17, 33, 2, 9, 40]
+    assert engine.generate(prompt, max_new_tokens=20).tokens == vanilla_tokens(model, prompt, 20)
+    chain = Engine.from_model(model, TinyTokenizer(), head=head, method="chain")
+    auto_tree(chain, prompts=[[5, 17, 33, 2, 9, 40]], new_tokens=24)
+    assert chain.drafter.settings.top_k == 1 and chain.drafter.settings.total_tokens == chain.drafter.settings.depth + 1
+
+
+def test_tree_must_be_auto_or_settings():
+    from eaglespec.errors import EagleSpecError
+
+    model = make_model("llama")
+    with pytest.raises(EagleSpecError, match="auto"):
+        Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle1"), tree="big")
+    fixed = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle1"),
+                              tree=TreeSettings(total_tokens=8, depth=3, top_k=2))
+    assert fixed.tree_choice is None and fixed.drafter.settings.total_tokens == 8
