@@ -18,7 +18,7 @@ from eaglespec.target import TargetModel
 from eaglespec.train.data import encode_conversation, encode_dataset, read_conversations, self_distill
 from eaglespec.train.export import export_head
 from eaglespec.train.features import CachedFeatures, OnlineFeatures
-from eaglespec.train.trainer import TrainConfig, Trainer
+from eaglespec.train.trainer import TrainConfig, Trainer, lr_lambda
 from eaglespec.train.vocab import select_draft_vocab, token_counts
 
 from conftest import make_model
@@ -367,3 +367,14 @@ def test_cli_data_train_export(tmp_path, target_model, tok, capsys):
     assert main(["train", "head", "--model", str(model_dir), "--data", str(tmp_path / "missing.json"),
                  "--out", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_learning_rate_warms_up_then_decays_with_steps_or_time_budget():
+    assert lr_lambda(0, 10, 100, 0.1) == pytest.approx(0.1)
+    assert lr_lambda(9, 10, 100, 0.1) == pytest.approx(1.0)
+    assert lr_lambda(55, 10, 100, 0.1) == pytest.approx(0.55)  # half way through the cosine
+    assert lr_lambda(100, 10, 100, 0.1) == pytest.approx(0.1)
+    # A time budget half used at step 20 puts the schedule half way; used up, it is at the floor.
+    assert lr_lambda(20, 10, 1000, 0.1, time_fraction=0.5) == pytest.approx(0.55)
+    assert lr_lambda(20, 10, 1000, 0.1, time_fraction=1.0) == pytest.approx(0.1)
+    assert lr_lambda(5, 10, 1000, 0.1, time_fraction=0.9) == pytest.approx(0.6)  # warmup is by steps

@@ -32,13 +32,11 @@ import torch
 from .drafters import EagleDrafter, TreeSettings
 from .target import TargetModel
 
-CALIBRATION_PROMPTS = (
+CALIBRATION_PROMPTS = (  # a mix of writing, code, arithmetic and knowledge
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a hash table works and give a small Python example.",
     "A train leaves at 3 pm and travels 120 km at 80 km/h. When does it arrive? Explain step by step.",
     "What are the main causes of the French Revolution?",
-    "Give me five tips for writing a clear technical email.",
-    "Rewrite this sentence in a formal tone: hey, the meeting got moved to friday, can u make it?",
 )
 CALIBRATION_DEPTH = 8  # the large tree the head drafts at every calibration position
 CALIBRATION_TOP_K = 8
@@ -146,10 +144,12 @@ def verify_costs(target: TargetModel, sizes=TREE_SIZES, context: int = 192, repe
     return out
 
 
-def _greedy_sequences(engine, prompts, new_tokens: int) -> list[tuple[list[int], int]]:
+def _greedy_sequences(engine, prompts, new_tokens: int, progress: bool = False) -> list[tuple[list[int], int]]:
     """(prompt + greedy continuation, prompt length) for each calibration prompt."""
+    from tqdm import tqdm
+
     seqs = []
-    for prompt in prompts:
+    for prompt in tqdm(prompts, desc="tree auto: greedy continuations", unit="prompt", disable=not progress):
         ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
         room = engine.target.max_context - len(ids)
         if room < CALIBRATION_DEPTH + 2:
@@ -162,14 +162,16 @@ def _greedy_sequences(engine, prompts, new_tokens: int) -> list[tuple[list[int],
 def record_candidates(drafter: EagleDrafter, target: TargetModel, sequences: list[tuple[list[int], int]],
                       stride: int = 2, depth: int = CALIBRATION_DEPTH, top_k: int = CALIBRATION_TOP_K,
                       time_settings: list[tuple[int, int]] | None = None,
-                      time_rounds: int = 3) -> tuple[list[Candidates], dict[str, float]]:
+                      time_rounds: int = 3, progress: bool = False) -> tuple[list[Candidates], dict[str, float]]:
     """Draft a large tree at every `stride`-th generated position; also time drafting for `time_settings`
     (depth, top_k) pairs on the first `time_rounds` positions. Returns (candidates, {"depth,top_k": ms})."""
+    from tqdm import tqdm
+
     rounds: list[Candidates] = []
     timings: dict[str, list[float]] = {}
     timed = 0
     with torch.inference_mode():
-        for seq, prompt_len in sequences:
+        for seq, prompt_len in tqdm(sequences, desc="tree auto: drafting trees", unit="sequence", disable=not progress):
             target.reset()
             features = target.forward(torch.tensor(seq)).features  # [L, F]
             target.reset()
@@ -262,7 +264,7 @@ def cache_path(engine, mode: str) -> Path:
     return cache_root() / "trees" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.json"
 
 
-def auto_tree(engine, prompts=CALIBRATION_PROMPTS, new_tokens: int = 96, stride: int = 2,
+def auto_tree(engine, prompts=CALIBRATION_PROMPTS, new_tokens: int = 80, stride: int = 2,
               use_cache: bool = True, progress: bool = True) -> TreeChoice:
     """Calibrate (or read the cached calibration) and set the engine's drafter to the best tree."""
     drafter = engine.drafter
@@ -281,9 +283,10 @@ def auto_tree(engine, prompts=CALIBRATION_PROMPTS, new_tokens: int = 96, stride:
         f"{path.parent}) ...")
     t0 = time.perf_counter()
     verify_ms = verify_costs(engine.target)
-    sequences = _greedy_sequences(engine, prompts, new_tokens)
+    sequences = _greedy_sequences(engine, prompts, new_tokens, progress)
     pairs = [(d, 1) for d in DEPTHS] if drafter.mode == "chain" else [(d, k) for d in DEPTHS for k in TOP_KS]
-    rounds, draft_ms = record_candidates(drafter, engine.target, sequences, stride=stride, time_settings=pairs)
+    rounds, draft_ms = record_candidates(drafter, engine.target, sequences, stride=stride, time_settings=pairs,
+                                         progress=progress)
     choice = choose(rounds, verify_ms, draft_ms, mode=drafter.mode)
     drafter.settings = choice.settings
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -126,7 +126,8 @@ def register_head(sub) -> None:
     h.add_argument("--mixed-precision", default="auto", choices=["auto", "no", "bf16", "fp16"],
                    help="auto = bf16 on GPU, off on CPU")
     h.add_argument("--time-budget", type=float, default=None, metavar="MIN",
-                   help="stop training after MIN minutes (the target-feature pass not counted) and write the head")
+                   help="stop training after MIN minutes (the target-feature pass not counted) and write the head; "
+                        "the cosine learning-rate decay then ends with the budget if it comes before --max-steps")
     h.set_defaults(func=cmd_head)
 
 

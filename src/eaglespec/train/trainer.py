@@ -87,11 +87,12 @@ def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) ->
     return batches
 
 
-def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup, then cosine decay to `min_ratio` at `total` steps."""
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float, time_fraction: float = 0.0) -> float:
+    """Linear warmup, then cosine decay to `min_ratio` at `total` steps, or earlier when a time budget is
+    `time_fraction` used up (so a run stopped by its budget still ends at the low learning rate)."""
     if step < warmup:
         return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    progress = min(1.0, max((step - warmup) / max(1, total - warmup), time_fraction))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -172,7 +173,9 @@ class Trainer:
             raise EagleSpecError(f"{len(train)} training conversations are fewer than one batch of {config.batch_size}")
         self.total_steps = config.max_steps or self.steps_per_epoch * config.epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_lambda(s, config.warmup_steps, self.total_steps, config.min_lr_ratio))
+            self.optimizer, lambda s: lr_lambda(s, config.warmup_steps, self.total_steps, config.min_lr_ratio,
+                                                self._time_fraction()))
+        self._budget_started: float | None = None  # when this process started training (time budget)
         self.head, self.optimizer = self.accelerator.prepare(self.head, self.optimizer)
         self.step = 0
         self.epoch = 0
@@ -214,6 +217,14 @@ class Trainer:
         save_draft_vocab(folder, ranked, size)
         self.print(f"draft vocabulary for drafting: {size} tokens cover {coverage(counts, ranked[:size]):.1%} "
                    "of the training answers (--draft-vocab to change, 0 = full)")
+
+    def _time_fraction(self) -> float:
+        """Share of --time-budget this process has used (0 without a budget)."""
+        budget = self.config.time_budget_min
+        started = getattr(self, "_budget_started", None)
+        if not budget or started is None:
+            return 0.0
+        return min(1.0, (time.time() - started) / (60 * budget))
 
     def print(self, text: str) -> None:
         if self.accelerator.is_main_process:
@@ -300,6 +311,7 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {c.kind}", unit="step",
                    disable=not (self.progress and self.accelerator.is_main_process))
         started, done_now = time.time(), 0
+        self._budget_started = started
         batches: list[list[int]] = []
         batches_epoch = -1
         out_of_time = False
