@@ -29,6 +29,7 @@ class Step:
     tree_size: int  # nodes verified, root included (1 for the prefill / vanilla)
     draft_time: float  # seconds
     verify_time: float  # seconds
+    tree_depth: int = 0  # deepest draft level verified (0 for the prefill / vanilla)
 
 
 @dataclass
@@ -165,7 +166,7 @@ class SpecDecoder:
         stats.prefill_time = time.perf_counter() - t_start
         pending = [root]
         accepted = 0
-        tree_size, t_draft, t_verify = 1, 0.0, stats.prefill_time
+        tree_size, tree_depth, t_draft, t_verify = 1, 0, 0.0, stats.prefill_time
 
         while True:
             # Emit what the last forward produced, trimmed at EOS and at the length budget.
@@ -184,7 +185,7 @@ class SpecDecoder:
                 stats.finish_reason = "stop"
             if done:
                 piece += text.flush()
-            yield Step(emit, piece, accepted, tree_size, t_draft, t_verify)
+            yield Step(emit, piece, accepted, tree_size, t_draft, t_verify, tree_depth)
             if done:
                 break
 
@@ -212,7 +213,8 @@ class SpecDecoder:
             stats.target_forwards += 1
             stats.draft_time += t_draft
             stats.verify_time += t_verify
-            stats.record(accepted, int(tree.depths.max()))
+            tree_depth = int(tree.depths.max())
+            stats.record(accepted, tree_depth)
             pending = tree.tokens[keep[1:]].tolist() + [verdict.bonus]
 
         stats.new_tokens = len(generated)

@@ -105,6 +105,8 @@ class ServerMetrics:
         if drafted > 0:
             self._m(self.num_drafts).inc()
             self._m(self.num_draft_tokens).inc(drafted)
+        for pos in range(step.tree_depth):
+            self._m(self.drafts_per_pos, position=str(pos)).inc()
         if step.accepted:
             self._m(self.num_accepted).inc(step.accepted)
             for pos in range(step.accepted):
@@ -124,9 +126,6 @@ class ServerMetrics:
     def completed(self, stats: GenerationStats, since_arrival: float, first_token_at: float | None) -> None:
         self._m(self.request_success, finished_reason=stats.finish_reason).inc()
         self._m(self.e2e_latency).observe(since_arrival)
-        for pos, count in enumerate(stats.drafted_per_depth):
-            if count:
-                self._m(self.drafts_per_pos, position=str(pos)).inc(count)
         if stats.total_time > 0:
             self._m(self.tokens_per_s).set(stats.tokens_per_s)
             self._m(self.request_speed).observe(stats.tokens_per_s)
