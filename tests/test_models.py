@@ -44,3 +44,15 @@ def test_folder_without_config_or_single_gguf(tmp_path):
 def test_unknown_dtype():
     with pytest.raises(EagleSpecError, match="dtype"):
         models.parse_dtype("float8")
+
+
+def test_dtype_auto_follows_the_hardware():
+    import torch
+
+    from eaglespec.models import cpu_has_native_bf16, parse_dtype
+
+    assert parse_dtype("auto", "cuda:0") == torch.bfloat16
+    assert parse_dtype("auto") == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    assert parse_dtype("bf16") == torch.bfloat16
+    with pytest.raises(EagleSpecError, match="auto, float32"):
+        parse_dtype("float8")

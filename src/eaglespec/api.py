@@ -42,7 +42,7 @@ class Engine:
         model: str = DEFAULT_MODEL,
         head: str | Path | None = "auto",
         method: str = "eagle2",
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         tree: TreeSettings | str | None = "auto",
         device: str = "cpu",
         draft_model: str | None = None,
@@ -51,7 +51,8 @@ class Engine:
     ):
         """`tree`: "auto" (EAGLE-2 / chain: calibrated for this machine once, then cached), explicit
         `TreeSettings`, or None (the defaults). `draft_vocab` (EAGLE-1 heads): size of the drafting vocabulary
-        subset, None = the head's default, 0 = the full vocabulary."""
+        subset, None = the head's default, 0 = the full vocabulary. `dtype` "auto": bfloat16 on a GPU or a CPU with
+        native bfloat16, float32 elsewhere."""
         if method not in METHODS:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
         if method == "sps" and not draft_model:
@@ -69,7 +70,8 @@ class Engine:
                 else:
                     raise EagleSpecError(f"method '{method}' needs a draft head: pass --head DIR or use vanilla")
             else:
-                head_module = load_head(head_dir, dtype=parse_dtype(dtype), device=device, draft_vocab=draft_vocab)
+                head_module = load_head(head_dir, dtype=parse_dtype(dtype, device), device=device,
+                                        draft_vocab=draft_vocab)
         self._setup(hf_model, tokenizer, head_module, method, tree, head_name=str(head), backend=backend)
 
     @classmethod

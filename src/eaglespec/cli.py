@@ -39,7 +39,9 @@ def model_options(p: argparse.ArgumentParser) -> None:
                    help="eagle2 = dynamic tree, eagle1 = static tree, chain = top-1, vanilla = no draft, "
                         "pld = prompt lookup, sps = a smaller draft model (--draft-model)")
     g.add_argument("--draft-model", default=None, help="sps: a smaller model sharing the target's tokenizer")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default) = bfloat16 on a GPU or a CPU with native bfloat16 (AVX-512 BF16 / AMX), "
+                        "else float32")
     g.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"],
                    help="target forward: fast = our lean Llama/Qwen2 path, hf = transformers (auto: fast if supported)")
     g.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's)")

@@ -86,13 +86,32 @@ def resolve_model(name_or_path: str) -> tuple[Path, str | None]:
     )
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX-512 BF16 or AMX), per /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def auto_dtype(device: str = "cpu") -> torch.dtype:
+    """"auto": bfloat16 on a GPU or on a CPU with native bfloat16 arithmetic, float32 elsewhere."""
+    if str(device).startswith("cuda"):
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return auto_dtype(device)
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if dtype not in table:
-        raise EagleSpecError(f"unknown dtype '{dtype}'; use one of float32, bfloat16, float16")
+        raise EagleSpecError(f"unknown dtype '{dtype}'; use one of auto, float32, bfloat16, float16")
     return table[dtype]
 
 
@@ -136,7 +155,7 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "f
     import transformers
 
     folder, gguf = resolve_model(name_or_path)
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype = parse_dtype(dtype, device)
     if gguf:
         if importlib.util.find_spec("gguf") is None:
             raise MissingPackageError("the 'gguf' package (needed to read GGUF files)", "pip install gguf")

@@ -135,7 +135,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dataset=args.dataset, max_new_tokens=args.max_new_tokens,
         sampling=Sampling(args.temperature, args.top_p, args.top_k, args.seed), repeats=args.repeats,
         warmup=args.warmup, system=args.system,
-        settings={"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        settings={"model": args.model, "dtype": str(parse_dtype(args.dtype)).removeprefix("torch."),
+                  "threads": torch.get_num_threads(),
                   "backend": getattr(args, "backend", "auto"),
                   "tree": tree if tree == "auto" else {"total_tokens": tree.total_tokens, "depth": tree.depth,
                                                        "top_k": tree.top_k},
@@ -146,7 +147,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     print(f"bench: {len(questions)} questions, methods {', '.join(m.name for m in methods)} -> {out}",
           file=sys.stderr)
-    print(f"bench: dtype {args.dtype}, {torch.get_num_threads()} torch threads, backend {config.settings['backend']}",
+    print(f"bench: dtype {config.settings['dtype']}, {torch.get_num_threads()} torch threads, backend {config.settings['backend']}",
           file=sys.stderr)
     for m in methods:
         if "tree" in m.settings:
