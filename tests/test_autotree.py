@@ -131,6 +131,9 @@ def test_auto_tree_engine_is_lossless_and_cached():
     assert engine.generate(prompt, max_new_tokens=20).tokens == vanilla_tokens(model, prompt, 20)
     chain = Engine.from_model(model, TinyTokenizer(), head=head, method="chain")
     auto_tree(chain, prompts=[[5, 17, 33, 2, 9, 40]], new_tokens=24)
+    from eaglespec.models import cache_root
+
+    assert len(list((cache_root() / "trees").glob("verify-*.json"))) == 1  # verify costs measured once per target
     assert chain.drafter.settings.top_k == 1 and chain.drafter.settings.total_tokens == chain.drafter.settings.depth + 1
 
 

@@ -253,15 +253,37 @@ def _fingerprint(module: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def _target_key(target: TargetModel) -> str:
+    return "|".join([str(VERSION), _fingerprint(target.model), type(target).__name__, str(target.dtype),
+                     getattr(target.config, "_name_or_path", ""), str(target.num_layers), str(target.hidden_size),
+                     machine_key()])
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha1(key.encode()).hexdigest()[:20]
+
+
 def cache_path(engine, mode: str) -> Path:
+    """The cached choice for this head, target and machine."""
     from .models import cache_root
 
-    target = engine.target
-    key = "|".join([
-        str(VERSION), mode, _fingerprint(engine.head), _fingerprint(target.model), type(target).__name__, str(target.dtype),
-        getattr(target.config, "_name_or_path", ""), str(target.num_layers), str(target.hidden_size), machine_key(),
-    ])
-    return cache_root() / "trees" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.json"
+    return cache_root() / "trees" / f"{_digest(mode + '|' + _fingerprint(engine.head) + '|' + _target_key(engine.target))}.json"
+
+
+def cached_verify_costs(target: TargetModel, use_cache: bool = True) -> dict[int, float]:
+    """`verify_costs`, measured once per target and machine (shared by every head of that target)."""
+    from .models import cache_root
+
+    path = cache_root() / "trees" / f"verify-{_digest(_target_key(target))}.json"
+    if use_cache and path.is_file():
+        try:
+            return {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
+        except (json.JSONDecodeError, AttributeError, ValueError):
+            path.unlink(missing_ok=True)
+    costs = verify_costs(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(costs) + "\n")
+    return costs
 
 
 def auto_tree(engine, prompts=CALIBRATION_PROMPTS, new_tokens: int = 80, stride: int = 2,
@@ -282,7 +304,7 @@ def auto_tree(engine, prompts=CALIBRATION_PROMPTS, new_tokens: int = 80, stride:
     say("tree auto: calibrating the draft tree for this machine (once; cached in "
         f"{path.parent}) ...")
     t0 = time.perf_counter()
-    verify_ms = verify_costs(engine.target)
+    verify_ms = cached_verify_costs(engine.target, use_cache)
     sequences = _greedy_sequences(engine, prompts, new_tokens, progress)
     pairs = [(d, 1) for d in DEPTHS] if drafter.mode == "chain" else [(d, k) for d in DEPTHS for k in TOP_KS]
     rounds, draft_ms = record_candidates(drafter, engine.target, sequences, stride=stride, time_settings=pairs,
