@@ -378,3 +378,11 @@ def test_learning_rate_warms_up_then_decays_with_steps_or_time_budget():
     assert lr_lambda(20, 10, 1000, 0.1, time_fraction=0.5) == pytest.approx(0.55)
     assert lr_lambda(20, 10, 1000, 0.1, time_fraction=1.0) == pytest.approx(0.1)
     assert lr_lambda(5, 10, 1000, 0.1, time_fraction=0.9) == pytest.approx(0.6)  # warmup is by steps
+
+
+def test_eagle3_head_starts_from_the_target_readout(tmp_path, data_file, target_model, tok):
+    trainer = Trainer(config(tmp_path, data_file, "eagle3", max_steps=1), target_model, tok, progress=False)
+    head = trainer.unwrapped()
+    ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size))
+    assert torch.equal(head.lm_head.weight, target_model.lm_head.weight[ids])
+    assert torch.equal(head.norm.weight, target_model.model.norm.weight)

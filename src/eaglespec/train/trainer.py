@@ -207,7 +207,19 @@ class Trainer:
             ids = select_draft_vocab(counts, head_config.draft_vocab_size)
             head.set_vocab(ids)
             self.print(f"draft vocabulary: {ids.numel()} tokens cover {coverage(counts, ids):.1%} of the training answers")
+            self._init_from_target(head, ids)
         return head.to(self.accelerator.device).train()
+
+    def _init_from_target(self, head: DraftHead, ids: torch.Tensor) -> None:
+        """EAGLE-3: start the head's LM head from the target's rows for the draft vocabulary and its output norm
+        from the target's final norm, so a short run need not learn a 4.7M-parameter readout from scratch."""
+        with torch.no_grad():
+            head.lm_head.weight.copy_(self.target.lm_head.weight[ids.to(self.target.lm_head.weight.device)])
+            final_norm = getattr(self.target.decoder, "norm", None)
+            plain = final_norm is not None and "Gemma" not in type(final_norm).__name__  # Gemma stores 1 + w
+            if plain and getattr(final_norm, "weight", None) is not None \
+                    and final_norm.weight.shape == head.norm.weight.shape:
+                head.norm.weight.copy_(final_norm.weight)
 
     def _save_token_ranking(self, folder: Path) -> None:
         """EAGLE-1: rank target tokens by frequency in the training answers, so drafting can score a subset."""
