@@ -146,3 +146,28 @@ def test_tree_must_be_auto_or_settings():
     fixed = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle1"),
                               tree=TreeSettings(total_tokens=8, depth=3, top_k=2))
     assert fixed.tree_choice is None and fixed.drafter.settings.total_tokens == 8
+
+
+@pytest.mark.parametrize("expected, speculates", [(50.0, False), (150.0, True)])
+def test_auto_falls_back_to_plain_decoding_when_no_tree_pays(expected, speculates):
+    import json
+
+    from eaglespec.autotree import TreeChoice
+    from eaglespec.drafters import VanillaDrafter
+
+    model = make_model("llama", seed=3)
+    head = random_head(model, "eagle1")
+    probe = Engine.from_model(model, TinyTokenizer(), head=head)
+    choice = TreeChoice(TreeSettings(total_tokens=4, depth=2, top_k=2), 1.5, expected, {1: 10.0, 4: 12.0},
+                        {"2,2": 1.0}, [], 10)
+    path = cache_path(probe, "dynamic")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(choice.to_json()))
+    engine = Engine.from_model(model, TinyTokenizer(), head=head, tree="auto")
+    assert engine.tree_choice.cached and engine.tree_choice.speculate == speculates
+    assert isinstance(engine.drafter, VanillaDrafter) != speculates
+    assert engine.method == ("eagle2" if speculates else "vanilla")
+    forced = Engine.from_model(model, TinyTokenizer(), head=head, tree="auto", fallback=False)
+    assert forced.drafter.settings == choice.settings and not isinstance(forced.drafter, VanillaDrafter)
+    prompt = [5, 17, 33, 2, 9, 40]
+    assert engine.generate(prompt, max_new_tokens=12).tokens == vanilla_tokens(model, prompt, 12)

@@ -14,17 +14,17 @@ eaglespec train data --out runs/s2/distill.jsonl --offset 3000 --limit 2400 --ba
   --max-new-tokens 256 --threads 2
 head -n "$ANSWERS" runs/s2/distill.jsonl > runs/s2/train.jsonl
 
-# 2. Both heads at once, one thread each (target features cached first, then a 40-minute training budget; the
-#    cosine learning-rate decay ends with the budget).
+# 2. Both heads at once, one thread each: target features cached first (~12 min), then a training time budget
+#    (the cosine learning-rate decay ends with the budget). The shipped EAGLE-3 head was started 14 minutes after
+#    the EAGLE-1 one (a first EAGLE-3 run without the readout initialisation was stopped), hence its 28 minutes.
 common=(--data runs/s2/train.jsonl --max-length 640 --eval-size 16 --eval-steps 5 --batch-size 4 --lr 8e-4
-        --warmup-steps 20 --epochs 50 --eval-every 100 --save-every 100 --time-budget 40 --save-dtype bfloat16
-        --threads 1)
-eaglespec train head --kind eagle3 --out runs/s2/eagle3 --cache-features runs/s2/feat3 --draft-vocab-size 8192 \
-  --ttt-steps 5 "${common[@]}" > runs/s2/eagle3.log 2>&1 &
+        --warmup-steps 20 --epochs 50 --eval-every 100 --save-every 100 --save-dtype bfloat16 --threads 1)
+eaglespec train head --kind eagle3 --out runs/s2/eagle3b --cache-features runs/s2/feat3 --draft-vocab-size 8192 \
+  --ttt-steps 5 --time-budget 28 "${common[@]}" > runs/s2/eagle3b.log 2>&1 &
 eaglespec train head --kind eagle1 --out runs/s2/eagle1 --cache-features runs/s2/feat1 --draft-vocab-size 8192 \
-  "${common[@]}" > runs/s2/eagle1.log 2>&1 &
+  --time-budget 40 "${common[@]}" > runs/s2/eagle1.log 2>&1 &
 wait
 
 # 3. Ship them.
-cp runs/s2/eagle3/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle3/
+cp runs/s2/eagle3b/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle3/
 cp runs/s2/eagle1/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle1/

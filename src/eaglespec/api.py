@@ -48,11 +48,13 @@ class Engine:
         draft_model: str | None = None,
         backend: str = "auto",
         draft_vocab: int | None = None,
+        fallback: bool = True,
     ):
         """`tree`: "auto" (EAGLE-2 / chain: calibrated for this machine once, then cached), explicit
         `TreeSettings`, or None (the defaults). `draft_vocab` (EAGLE-1 heads): size of the drafting vocabulary
         subset, None = the head's default, 0 = the full vocabulary. `dtype` "auto": bfloat16 on a GPU or a CPU with
-        native bfloat16, float32 elsewhere."""
+        native bfloat16, float32 elsewhere. `fallback`: with tree="auto", decode without a draft when no tree is
+        expected to beat plain decoding on this machine (the head is too weak for its cost here)."""
         if method not in METHODS:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
         if method == "sps" and not draft_model:
@@ -72,11 +74,13 @@ class Engine:
             else:
                 head_module = load_head(head_dir, dtype=parse_dtype(dtype, device), device=device,
                                         draft_vocab=draft_vocab)
-        self._setup(hf_model, tokenizer, head_module, method, tree, head_name=str(head), backend=backend)
+        self._setup(hf_model, tokenizer, head_module, method, tree, head_name=str(head), backend=backend,
+                    fallback=fallback)
 
     @classmethod
     def from_model(cls, hf_model, tokenizer, head: DraftHead | None = None, method: str = "eagle2",
-                   tree: TreeSettings | str | None = None, draft_hf_model=None, backend: str = "auto") -> "Engine":
+                   tree: TreeSettings | str | None = None, draft_hf_model=None, backend: str = "auto",
+                   fallback: bool = True) -> "Engine":
         """Wrap an already loaded transformers model (and optionally a head, or a draft model for sps).
         `tree` as for `Engine()`, but None (the fixed defaults) by default."""
         engine = cls.__new__(cls)
@@ -89,11 +93,11 @@ class Engine:
             raise EagleSpecError("method 'sps' needs a draft model")
         engine.draft_hf_model = draft_hf_model
         engine._setup(hf_model, tokenizer, head if method in HEAD_METHODS else None, method, tree, "the head",
-                      backend)
+                      backend, fallback)
         return engine
 
     def _setup(self, hf_model, tokenizer, head: DraftHead | None, method: str, tree: TreeSettings | str | None,
-               head_name: str, backend: str = "auto") -> None:
+               head_name: str, backend: str = "auto", fallback: bool = True) -> None:
         if isinstance(tree, str) and tree != "auto":
             raise EagleSpecError(f"tree must be 'auto' or explicit settings, got '{tree}'")
         feature_kind = None if head is None else ("eagle3" if head.config.kind == "eagle3" else "final")
@@ -107,8 +111,13 @@ class Engine:
         if tree == "auto" and method in ("eagle2", "chain") and head is not None:
             from .autotree import auto_tree
 
-            self.tree_choice = auto_tree(self)
-            self.notice = "; ".join(filter(None, [self.notice, self.tree_choice.summary()]))
+            choice = self.tree_choice = auto_tree(self)
+            self.notice = "; ".join(filter(None, [self.notice, choice.summary()]))
+            if fallback and not choice.speculate:
+                self.method = "vanilla"
+                self.decoder.drafter = VanillaDrafter()
+                self.notice += ("; no tree beats plain decoding with this head on this machine, so decoding runs "
+                                "without a draft (--tree fixed or explicit tree settings force drafting)")
 
     def _make_drafter(self, method: str, head: DraftHead | None, tree: TreeSettings | None,
                       head_name: str) -> Drafter:

@@ -92,10 +92,22 @@ class TreeChoice:
     positions: int  # calibration positions the acceptance was replayed on
     cached: bool = False
 
+    @property
+    def vanilla_tokens_per_s(self) -> float:
+        """Plain decoding's expected speed: one token per single-token forward."""
+        return 1000.0 / self.verify_ms[1]
+
+    @property
+    def speculate(self) -> bool:
+        """Whether the best tree is expected to beat plain decoding on this machine."""
+        return self.expected_tokens_per_s > self.vanilla_tokens_per_s
+
     def summary(self) -> str:
         s = self.settings
-        return (f"tree auto: total_tokens={s.total_tokens} depth={s.depth} top_k={s.top_k} "
-                f"(expected tau {self.expected_tau:.2f}, ~{self.expected_tokens_per_s:.0f} tokens/s on this machine)")
+        text = (f"tree auto: total_tokens={s.total_tokens} depth={s.depth} top_k={s.top_k} "
+                f"(expected tau {self.expected_tau:.2f}, ~{self.expected_tokens_per_s:.1f} tokens/s on this machine, "
+                f"plain decoding ~{self.vanilla_tokens_per_s:.1f})")
+        return text
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -305,14 +305,16 @@ def build_methods(names: list[str], ctx: MethodContext, sweep: tuple[str, list[i
             tree = ctx.tree if value is None else TreeSettings(**{**_tree_dict(base), sweep[0]: value})
             engine = Engine.from_model(ctx.model, ctx.tokenizer, head=head, method=engine_method, tree=tree,
                                        draft_hf_model=ctx.draft_model if name == "sps" else None,
-                                       backend=ctx.backend)
+                                       backend=ctx.backend, fallback=False)
             settings = {"target": type(engine.target).__name__}
             if name != "vanilla":
                 drafter_settings = getattr(engine.drafter, "settings", None)
                 settings["tree"] = _tree_dict(drafter_settings if drafter_settings is not None else base)
                 if engine.tree_choice is not None:
                     settings["tree_auto"] = {"expected_tau": engine.tree_choice.expected_tau,
-                                             "expected_tokens_per_s": engine.tree_choice.expected_tokens_per_s}
+                                             "expected_tokens_per_s": engine.tree_choice.expected_tokens_per_s,
+                                             "expected_vanilla_tokens_per_s": round(
+                                                 engine.tree_choice.vanilla_tokens_per_s, 2)}
             if head is not None and head.config.kind == "eagle1":
                 settings["draft_vocab"] = head.draft_vocab_size
             if head is not None:
