@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .drafters import EagleDrafter, TreeSettings
+from .drafters import EagleDrafter, TreeSettings, _TreeGrowth
 from .target import TargetModel
 
 CALIBRATION_PROMPTS = (  # a mix of writing, code, arithmetic and knowledge
@@ -104,14 +103,14 @@ class TreeChoice:
 
     def summary(self) -> str:
         s = self.settings
-        text = (f"tree auto: total_tokens={s.total_tokens} depth={s.depth} top_k={s.top_k} "
+        return (f"tree auto: total_tokens={s.total_tokens} depth={s.depth} top_k={s.top_k} "
                 f"(expected tau {self.expected_tau:.2f}, ~{self.expected_tokens_per_s:.1f} tokens/s on this machine, "
                 f"plain decoding ~{self.vanilla_tokens_per_s:.1f})")
-        return text
 
     def to_json(self) -> dict:
         d = asdict(self)
-        d["settings"] = {"total_tokens": s.total_tokens, "depth": s.depth, "top_k": s.top_k} if (s := self.settings) else None
+        d["settings"] = {"total_tokens": self.settings.total_tokens, "depth": self.settings.depth,
+                         "top_k": self.settings.top_k}
         return d
 
     @classmethod
@@ -196,7 +195,7 @@ def record_candidates(drafter: EagleDrafter, target: TargetModel, sequences: lis
                     timed += 1
                     for d, k in time_settings:
                         t0 = time.perf_counter()
-                        type(grow)(drafter, seq[p], grow.out_hidden[0]).dynamic(total_tokens=2, depth=d, top_k=k)
+                        _TreeGrowth(drafter, seq[p], grow.out_hidden[0]).dynamic(total_tokens=2, depth=d, top_k=k)
                         timings.setdefault(f"{d},{k}", []).append(1000 * (time.perf_counter() - t0))
                         drafter.cache.rollback()  # drop the tree entries
                 grow.dynamic(total_tokens=2, depth=depth, top_k=top_k)
@@ -246,12 +245,10 @@ def choose(rounds: list[Candidates], verify_ms: dict[int, float], draft_ms: dict
 
 # ---- caching and the entry point ----------------------------------------------------------------------------
 def machine_key() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    """CPU model and instruction set (VMs of one CPU name can expose different ones), GPU, threads, torch."""
+    from .models import cpu_flags, cpu_model
+
+    cpu = f"{cpu_model()}|{hashlib.sha1(' '.join(sorted(cpu_flags())).encode()).hexdigest()[:8]}"
     if torch.cuda.is_available():
         cpu += "|" + torch.cuda.get_device_name()
     return f"{cpu}|{os.cpu_count()}cpu|{torch.get_num_threads()}threads|torch{torch.__version__}"

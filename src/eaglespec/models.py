@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import platform
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,13 +87,30 @@ def resolve_model(name_or_path: str) -> tuple[Path, str | None]:
     )
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes in bfloat16 natively (AVX-512 BF16 or AMX), per /proc/cpuinfo."""
+def _cpuinfo_field(name: str) -> str | None:
+    """The first `name : value` line of /proc/cpuinfo (None where there is no such file or line)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == name:
+                    return value.strip()
     except OSError:
-        return False
+        return None
+    return None
+
+
+def cpu_model() -> str:
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    return set((_cpuinfo_field("flags") or "").split())
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX-512 BF16 or AMX), per /proc/cpuinfo."""
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

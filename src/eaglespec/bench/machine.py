@@ -12,16 +12,9 @@ from pathlib import Path
 
 import torch
 
+from ..models import cpu_model
+
 _PACKAGES = ("eaglespec", "torch", "transformers", "tokenizers", "numpy", "accelerate", "llama_cpp_python")
-
-
-def cpu_model() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    match = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
-    return match.group(1).strip() if match else (platform.processor() or platform.machine())
 
 
 def total_memory_gb() -> float | None:
