@@ -118,6 +118,9 @@ def test_verify_costs_cover_the_sizes_that_fit():
 def test_auto_tree_engine_is_lossless_and_cached():
     model = make_model("llama")
     head = random_head(model, "eagle3")
+    from eaglespec.models import cache_root
+
+    verify_files = set((cache_root() / "trees").glob("verify-*.json"))  # other tests may have measured this target
     engine = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2")
     choice = auto_tree(engine, prompts=[[5, 17, 33, 2, 9, 40], [60, 61, 62]], new_tokens=24)
     assert not choice.cached and choice.positions == 2 * 8  # (24 - 8) / 2 positions per prompt
@@ -132,9 +135,8 @@ def test_auto_tree_engine_is_lossless_and_cached():
     assert engine.generate(prompt, max_new_tokens=20).tokens == vanilla_tokens(model, prompt, 20)
     chain = Engine.from_model(model, TinyTokenizer(), head=head, method="chain")
     auto_tree(chain, prompts=[[5, 17, 33, 2, 9, 40]], new_tokens=24)
-    from eaglespec.models import cache_root
-
-    assert len(list((cache_root() / "trees").glob("verify-*.json"))) == 1  # verify costs measured once per target
+    new_files = set((cache_root() / "trees").glob("verify-*.json")) - verify_files
+    assert len(new_files) <= 1  # verify costs measured once per target, shared by both drafters
     assert chain.drafter.settings.top_k == 1 and chain.drafter.settings.total_tokens == chain.drafter.settings.depth + 1
 
 

@@ -1,5 +1,10 @@
-"""Fast-path target forward time vs number of tokens on top of a short cached prefix, and an op profile."""
+"""Fast-path target forward time vs number of tokens on top of a short cached prefix, and an op profile.
 
+    python benchmarks/scripts/forward_cost.py [--quantize int8|int4] [--dtype float32] [--threads 2]
+"""
+
+import argparse
+import statistics
 import time
 
 import torch
@@ -7,22 +12,30 @@ import torch
 from eaglespec.fastpath import FastTarget
 from eaglespec.models import load_target
 
-torch.set_num_threads(2)
-model, tokenizer = load_target("smollm2-135m", dtype="float32")
-target = FastTarget(model, None)
-target.forward(torch.tensor(tokenizer("Write a poem about the sea and the sky and the stars.")["input_ids"]))
+p = argparse.ArgumentParser()
+p.add_argument("--quantize", default=None)
+p.add_argument("--dtype", default="float32")
+p.add_argument("--threads", type=int, default=2)
+p.add_argument("--profile", action="store_true")
+args = p.parse_args()
+torch.set_num_threads(args.threads)
+model, tokenizer = load_target("smollm2-135m", dtype=args.dtype)
+target = FastTarget(model, None, quantize=args.quantize)
+target.forward(torch.tensor(tokenizer("Write a poem about the sea and the sky and the stars. " * 8)["input_ids"]))
 target.commit()
-for n in [1, 4, 16, 32]:
+print(f"dtype {args.dtype}, quantize {args.quantize}, {args.threads} threads, {target.cache_len} cached tokens")
+for n in [1, 2, 4, 8, 16, 32, 64]:
     tokens = torch.randint(0, 1000, (n,))
     times = []
-    for _ in range(10):
+    for _ in range(12):
         start = time.perf_counter()
         target.forward(tokens)
         target.commit(torch.tensor([], dtype=torch.long))  # keep nothing: the prefix stays as it was
         times.append(time.perf_counter() - start)
-    print(f"forward {n:2d} tokens: median {sorted(times)[5] * 1000:.1f} ms")
-with torch.profiler.profile() as prof:
-    for _ in range(5):
-        target.forward(torch.tensor([5]))
-        target.commit(torch.tensor([], dtype=torch.long))
-print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+    print(f"forward {n:2d} tokens: median {statistics.median(times[2:]) * 1000:.1f} ms")
+if args.profile:
+    with torch.profiler.profile() as prof:
+        for _ in range(5):
+            target.forward(torch.tensor([5]))
+            target.commit(torch.tensor([], dtype=torch.long))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))

@@ -44,6 +44,9 @@ def model_options(p: argparse.ArgumentParser) -> None:
                         "else float32")
     g.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"],
                    help="target forward: fast = our lean Llama/Qwen2 path, hf = transformers (auto: fast if supported)")
+    g.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+                   help="CPU fast path: int8 / int4 weight-only target (2-4x fewer bytes per step; changes the "
+                        "model slightly, like a Q8_0 / Q4_1 GGUF; output stays lossless w.r.t. it). Default none")
     g.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's)")
     g.add_argument("--tree", default="auto", choices=["auto", "fixed"],
                    help="auto = choose total_tokens / depth / top_k for this machine and head (measured once, "
@@ -108,7 +111,8 @@ def build_engine(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine(model=args.model, head=args.head, method=args.method, dtype=args.dtype, tree=tree_from_args(args),
-                    draft_model=args.draft_model, backend=args.backend, draft_vocab=args.draft_vocab)
+                    draft_model=args.draft_model, backend=args.backend, draft_vocab=args.draft_vocab,
+                    quantize=args.quantize)
     if engine.notice:
         print(f"note: {engine.notice}", file=sys.stderr)
     return engine

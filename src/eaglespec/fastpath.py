@@ -9,13 +9,16 @@ against the generic `TargetModel` path in tests/test_fastpath.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import EagleSpecError
+from .quant import check_mode, quantize
 from .target import TargetModel, TargetOutput
 
 SUPPORTED = ("llama", "qwen2")
@@ -36,22 +39,27 @@ def supports(model) -> bool:
     )
 
 
+Linear = Callable[[Tensor], Tensor]  # x [..., K] -> [..., N]
+
+
 @dataclass
 class _Layer:
     input_norm: Tensor  # [d]
-    qkv: Tensor  # [(H + 2 Hkv) hd, d]
-    qkv_bias: Tensor | None  # [(H + 2 Hkv) hd]
-    o: Tensor  # [d, H hd]
+    qkv: Linear  # d -> (H + 2 Hkv) hd
+    o: Linear  # H hd -> d
     post_norm: Tensor  # [d]
-    gate_up: Tensor  # [2 I, d]
-    down: Tensor  # [d, I]
+    gate_up: Linear  # d -> 2 I
+    down: Linear  # I -> d
 
 
 class FastTarget(TargetModel):
     """`TargetModel` with its own forward for Llama-style models. Construct through `make_target`."""
 
-    def __init__(self, model, feature_kind: str | None = "final", initial_capacity: int = 1024):
+    def __init__(self, model, feature_kind: str | None = "final", initial_capacity: int = 1024,
+                 quantize: str | None = None):
+        """`quantize`: None (the model's own weights), "int8" or "int4" weight-only (see eaglespec.quant)."""
         super().__init__(model, feature_kind)
+        self.quantize = check_mode(quantize, self.device)
         c = self.config
         self.n_heads = c.num_attention_heads
         self.n_kv = getattr(c, "num_key_value_heads", None) or self.n_heads
@@ -59,6 +67,8 @@ class FastTarget(TargetModel):
         self.eps = float(c.rms_norm_eps)
         self.layers = [self._fuse(layer) for layer in self.decoder.layers]
         self.final_norm = self.decoder.norm.weight.detach()
+        head = self.lm_head
+        self.logits_head: Linear = self._linear(head.weight, head.bias) if self.quantize else head
         rope = getattr(c, "rope_parameters", None) or {}
         theta = float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
@@ -66,19 +76,23 @@ class FastTarget(TargetModel):
         self.capacity = 0
         self._grow(min(initial_capacity, self.max_context))
 
+    def _linear(self, weight: Tensor, bias: Tensor | None = None) -> Linear:
+        if self.quantize:
+            return quantize(weight, bias, self.quantize)
+        return partial(F.linear, weight=weight.detach().contiguous(), bias=None if bias is None else bias.detach())
+
     def _fuse(self, layer) -> _Layer:
         a, m = layer.self_attn, layer.mlp
         bias = None
         if a.q_proj.bias is not None:
-            bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
+            bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
         return _Layer(
             input_norm=layer.input_layernorm.weight.detach(),
-            qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().contiguous(),
-            qkv_bias=bias,
-            o=a.o_proj.weight.detach(),
+            qkv=self._linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bias),
+            o=self._linear(a.o_proj.weight),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().contiguous(),
-            down=m.down_proj.weight.detach(),
+            gate_up=self._linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+            down=self._linear(m.down_proj.weight),
         )
 
     # ---- static cache --------------------------------------------------------------------------------
@@ -119,6 +133,8 @@ class FastTarget(TargetModel):
     # ---- forward -------------------------------------------------------------------------------------
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:  # one fused kernel; the same numbers as the three-step form below
+            return F.rms_norm(x, x.shape[-1:], weight, self.eps)
         x = x.float()
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
 
@@ -155,7 +171,7 @@ class FastTarget(TargetModel):
         for i, layer in enumerate(self.layers):
             if i in self.feature_layers:
                 saved.append(x)
-            qkv = F.linear(self._norm(x, layer.input_norm), layer.qkv, layer.qkv_bias)  # [n, (H + 2Hkv) hd]
+            qkv = layer.qkv(self._norm(x, layer.input_norm))  # [n, (H + 2Hkv) hd]
             q, k, v = qkv.view(n, H + 2 * Hkv, hd).transpose(0, 1).split([H, Hkv, Hkv], dim=0)  # [heads, n, hd]
             self.keys[i, :, c : c + n] = self._rotate(k, cos, sin)
             self.values[i, :, c : c + n] = v
@@ -163,14 +179,14 @@ class FastTarget(TargetModel):
                 self._rotate(q, cos, sin)[None], self.keys[i, :, : c + n][None], self.values[i, :, : c + n][None],
                 attn_mask=mask, enable_gqa=H != Hkv,
             )  # [1, H, n, hd]
-            x = x + F.linear(attn[0].transpose(0, 1).reshape(n, H * hd), layer.o)
-            gate, up = F.linear(self._norm(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)  # [n, I] each
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            x = x + layer.o(attn[0].transpose(0, 1).reshape(n, H * hd))
+            gate, up = layer.gate_up(self._norm(x, layer.post_norm)).chunk(2, dim=-1)  # [n, I] each
+            x = x + layer.down(F.silu(gate) * up)
         self._pending = n
 
         last = self._norm(x, self.final_norm)  # [n, d]
         rows = last if logits_rows is None else last[logits_rows]
-        logits = self.lm_head(rows).float()
+        logits = self.logits_head(rows).float()
         if self.feature_kind == "final":
             features = last
         elif self.feature_kind == "eagle3":
@@ -181,10 +197,17 @@ class FastTarget(TargetModel):
         return TargetOutput(logits=logits, features=features)
 
 
-def make_target(model, feature_kind: str | None = "final", backend: str = "auto") -> TargetModel:
-    """`backend`: "auto" (fast path when the architecture is supported), "fast" (required) or "hf"."""
+def make_target(model, feature_kind: str | None = "final", backend: str = "auto",
+                quantize: str | None = None) -> TargetModel:
+    """`backend`: "auto" (fast path when the architecture is supported), "fast" (required) or "hf".
+    `quantize` ("int8" / "int4" weight-only, CPU) needs the fast path."""
     if backend not in ("auto", "fast", "hf"):
         raise EagleSpecError(f"unknown backend '{backend}'; use auto, fast or hf")
+    if check_mode(quantize):
+        if backend == "hf" or not supports(model):
+            raise EagleSpecError(f"--quantize {quantize} needs the fast path (Llama / Qwen2 models, --backend "
+                                 f"auto or fast); this is '{model.config.model_type}' with backend {backend}")
+        return FastTarget(model, feature_kind, quantize=quantize)
     if backend == "hf" or (backend == "auto" and not supports(model)):
         return TargetModel(model, feature_kind)
     if not supports(model):
