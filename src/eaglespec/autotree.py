@@ -133,7 +133,7 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def verify_costs(target: TargetModel, sizes=TREE_SIZES, context: int = 192, repeats: int = 3) -> dict[int, float]:
+def verify_costs(target: TargetModel, sizes=TREE_SIZES, context: int = 192, repeats: int = 5) -> dict[int, float]:
     """Milliseconds per target forward of n tree tokens after `context` committed tokens: {n: ms}."""
     vocab = target.vocab_size
     context = max(1, min(context, target.max_context // 2))
