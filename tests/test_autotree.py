@@ -62,8 +62,8 @@ def test_replay_matches_the_tree_actually_drafted(kind):
             settings = [(12, 4, 4), (6, 3, 4), (9, 4, 2), (4, 2, 3), (5, 4, 1)]
             small = {}
             for t, d, k in settings:
-                small[(t, d, k)] = type(grow)(drafter, seq[p], grow.out_hidden[0]).dynamic(t, d, k)
-                drafter.cache.rollback()
+                small[(t, d, k)] = grow.restart().dynamic(t, d, k)
+            grow = grow.restart()
             grow.dynamic(total_tokens=2, depth=big_depth, top_k=big_k)
             for (t, d, k), tree in small.items():
                 # A continuation that follows a random path of the drafted tree, then leaves it.

@@ -386,3 +386,26 @@ def test_eagle3_head_starts_from_the_target_readout(tmp_path, data_file, target_
     ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size))
     assert torch.equal(head.lm_head.weight, target_model.lm_head.weight[ids])
     assert torch.equal(head.norm.weight, target_model.model.norm.weight)
+
+
+def test_eagle1_cross_entropy_over_the_draft_vocabulary(tmp_path, data_file, target_model, tok):
+    """--ce-vocab draft scores the head over the subset it drafts from; over every token it is the full loss."""
+    full = Trainer(config(tmp_path, data_file, "eagle1"), target_model, tok, progress=False)
+    batch = full.train_source.batch(list(range(4)))
+    everything = Trainer(config(tmp_path, data_file, "eagle1", ce_vocab="draft", draft_vocab_size=48),
+                         target_model, tok, progress=False)
+    everything.unwrapped().load_state_dict(full.unwrapped().state_dict())
+    with torch.no_grad():
+        a, b = full.loss(batch).parts, everything.loss(batch).parts
+    assert a["soft_ce"] == pytest.approx(b["soft_ce"], rel=1e-5) and a["regression"] == b["regression"]
+
+    subset = Trainer(config(tmp_path, data_file, "eagle1", ce_vocab="draft", max_steps=20), target_model, tok,
+                     progress=False)
+    assert subset.unwrapped().draft_vocab_size == 24
+    with torch.no_grad():
+        before = subset.loss(batch).parts["soft_ce"]
+    subset.train()
+    with torch.no_grad():
+        assert subset.loss(batch).parts["soft_ce"] < before
+    with pytest.raises(EagleSpecError, match="ce-vocab"):
+        Trainer(config(tmp_path, data_file, "eagle1", ce_vocab="some"), target_model, tok, progress=False)

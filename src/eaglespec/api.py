@@ -118,6 +118,7 @@ class Engine:
             if fallback and not choice.speculate:
                 self.method = "vanilla"
                 self.decoder.drafter = VanillaDrafter()
+                self.target.feature_kind = None  # no head reads them any more
                 self.notice += ("; no tree beats plain decoding with this head on this machine, so decoding runs "
                                 "without a draft (--tree fixed or explicit tree settings force drafting)")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .drafters import EagleDrafter, TreeSettings, _TreeGrowth
+from .drafters import EagleDrafter, TreeSettings
 from .target import TargetModel
 
 CALIBRATION_PROMPTS = (  # a mix of writing, code, arithmetic and knowledge
@@ -195,9 +195,9 @@ def record_candidates(drafter: EagleDrafter, target: TargetModel, sequences: lis
                     timed += 1
                     for d, k in time_settings:
                         t0 = time.perf_counter()
-                        _TreeGrowth(drafter, seq[p], grow.out_hidden[0]).dynamic(total_tokens=2, depth=d, top_k=k)
+                        grow.restart().dynamic(total_tokens=2, depth=d, top_k=k)
                         timings.setdefault(f"{d},{k}", []).append(1000 * (time.perf_counter() - t0))
-                        drafter.cache.rollback()  # drop the tree entries
+                    grow = grow.restart()
                 grow.dynamic(total_tokens=2, depth=depth, top_k=top_k)
                 rounds.append(_candidates(grow, seq[p + 1 : p + 1 + depth]))
     drafter.reset()

@@ -106,11 +106,11 @@ class EagleDrafter(Drafter):
         return torch.log_softmax(self.head.logits(hidden, self.lm_head).float(), dim=-1)
 
     # ---- tree growth -----------------------------------------------------------------------------------
-    def start_round(self, tokens: Tensor, new_features: Tensor | None) -> "_TreeGrowth":
+    def start_round(self, tokens: Tensor, new_features: Tensor | None) -> "TreeGrowth":
         """Catch up on the newly committed positions and return an empty tree rooted at tokens[-1]."""
         if new_features is None or new_features.shape[0] == 0:
             raise RuntimeError("the EAGLE drafter needs the target features of the newly committed positions")
-        return _TreeGrowth(self, int(tokens[-1]), self._catch_up(tokens, new_features))
+        return TreeGrowth(self, int(tokens[-1]), self._catch_up(tokens, new_features))
 
     @torch.inference_mode()
     def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
@@ -123,7 +123,7 @@ class EagleDrafter(Drafter):
         return grow.dynamic(total_tokens=s.total_tokens, depth=s.depth, top_k=s.top_k)
 
 
-class _TreeGrowth:
+class TreeGrowth:
     """One round of tree drafting. Candidate 0 is the root; every candidate has a parent, a target token id, a
     path score (sum of draft log-probs), and, once expanded, a head-cache entry and an output hidden."""
 
@@ -137,6 +137,12 @@ class _TreeGrowth:
         self.out_hidden: dict[int, Tensor] = {}  # candidate -> head output after consuming it ([d])
         self.out_hidden[0] = root_hidden  # the root's children consume the last catch-up step's output
         self.root_logp = drafter._log_probs(root_hidden[None])[0]  # [Vd]: root's children distribution
+
+    def restart(self) -> "TreeGrowth":
+        """Drop this round's tree entries from the head cache and return an empty tree from the same root (to
+        draft the same round again with other settings)."""
+        self.d.cache.rollback()
+        return TreeGrowth(self.d, self.tokens[0], self.out_hidden[0])
 
     def _add(self, parent: int, token: int, score: float) -> int:
         self.tokens.append(token)

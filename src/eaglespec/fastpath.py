@@ -72,7 +72,6 @@ class FastTarget(TargetModel):
         rope = getattr(c, "rope_parameters", None) or {}
         theta = float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
-        self.feature_layers = set(self.eagle3_layers()) if feature_kind == "eagle3" else set()
         self.capacity = 0
         self._grow(min(initial_capacity, self.max_context))
 
@@ -167,9 +166,10 @@ class FastTarget(TargetModel):
         H, Hkv, hd = self.n_heads, self.n_kv, self.head_dim
 
         x = self.embed_tokens(tokens)  # [n, d]
+        feature_layers = self.eagle3_layers() if self.feature_kind == "eagle3" else ()
         saved = []
         for i, layer in enumerate(self.layers):
-            if i in self.feature_layers:
+            if i in feature_layers:
                 saved.append(x)
             qkv = layer.qkv(self._norm(x, layer.input_norm))  # [n, (H + 2Hkv) hd]
             q, k, v = qkv.view(n, H + 2 * Hkv, hd).transpose(0, 1).split([H, Hkv, Hkv], dim=0)  # [heads, n, hd]
@@ -190,7 +190,7 @@ class FastTarget(TargetModel):
         if self.feature_kind == "final":
             features = last
         elif self.feature_kind == "eagle3":
-            by_layer = dict(zip(sorted(self.feature_layers), saved))
+            by_layer = dict(zip(sorted(set(feature_layers)), saved))
             features = torch.cat([by_layer[i] for i in self.eagle3_layers()], dim=-1)  # [n, 3d]
         else:
             features = None

@@ -74,7 +74,7 @@ def cmd_head(args: argparse.Namespace) -> int:
         noise=args.noise, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps, eval_steps=args.eval_steps,
         eval_size=args.eval_size, eval_every=args.eval_every, save_every=args.save_every, log_every=args.log_every,
         seed=args.seed, cache_features=args.cache_features, save_dtype=args.save_dtype,
-        mixed_precision=args.mixed_precision, time_budget_min=args.time_budget,
+        mixed_precision=args.mixed_precision, time_budget_min=args.time_budget, ce_vocab=args.ce_vocab,
     )
     model, tokenizer = load_target(args.model, dtype="float32")
     trainer = Trainer(config, model, tokenizer)
@@ -112,6 +112,9 @@ def register_head(sub) -> None:
     h.add_argument("--grad-clip", type=float, default=0.5)
     h.add_argument("--noise", type=float, default=None, help="input feature noise (default 0.1 EAGLE-1, 0 EAGLE-3)")
     h.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3 reduced vocabulary size; EAGLE-1: the drafting subset written beside the head")
+    h.add_argument("--ce-vocab", choices=["full", "draft"], default="full",
+                   help="EAGLE-1 soft cross-entropy over the full vocabulary (the paper) or over the --draft-vocab-size "
+                        "most frequent answer tokens it drafts from (several times cheaper on a CPU)")
     h.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 training-time test depth")
     h.add_argument("--eval-steps", type=int, default=5, help="held-out accuracy at draft steps 1..N")
     h.add_argument("--eval-size", type=int, default=32, help="held-out conversations")

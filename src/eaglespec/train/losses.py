@@ -55,7 +55,8 @@ def next_embeds(embed: nn.Module, batch: Batch) -> Tensor:
 def eagle1_loss(head: DraftHead, target: TargetModel, batch: Batch, noise: float, generator: torch.Generator,
                 feature_weight: float = 1.0, ce_weight: float = 0.1, model: nn.Module | None = None) -> LossParts:
     """SmoothL1(predicted f_{t+1}, true f_{t+1}) + ce_weight * soft CE(target p_{t+1}, head's p) on assistant slots.
-    U(-noise, noise) is added to the input features. `model` is `head` as wrapped for distributed training."""
+    U(-noise, noise) is added to the input features. `model` is `head` as wrapped for distributed training. A head
+    with a draft vocabulary (`set_draft_vocab`) is scored over it, against the target renormalised over it."""
     features = batch.features.float()
     if noise:
         u = torch.rand(features.shape, generator=generator).to(features.device)
@@ -65,7 +66,7 @@ def eagle1_loss(head: DraftHead, target: TargetModel, batch: Batch, noise: float
     pred = out[valid]  # [N, d]
     true_next = shift_left(batch.last, 1)[valid].float()  # [N, d]
     with torch.no_grad():
-        p = torch.softmax(target.logits_from_last(true_next), dim=-1)  # [N, V]
+        p = torch.softmax(target.logits_from_last(true_next, getattr(head, "vocab_ids", None)), dim=-1)  # [N, Vd]
     reg = F.smooth_l1_loss(pred.float(), true_next) if pred.shape[0] else pred.sum() * 0.0
     ce = soft_cross_entropy(head.logits(pred, target.lm_head), p)
     total = feature_weight * reg + ce_weight * ce

@@ -15,7 +15,7 @@ import pickle
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -31,7 +31,7 @@ from .vocab import coverage, select_draft_vocab, token_counts
 
 # Settings that must not change when a run is resumed (they define the data order and the objective).
 RESUME_KEYS = ("kind", "data", "model", "max_length", "batch_size", "seed", "eval_size", "draft_vocab_size",
-               "ttt_steps", "epochs", "max_steps", "lr", "warmup_steps")
+               "ttt_steps", "epochs", "max_steps", "lr", "warmup_steps", "ce_vocab")
 
 
 @dataclass
@@ -53,6 +53,7 @@ class TrainConfig:
     noise: float | None = None  # uniform input-feature noise; default 0.1 for EAGLE-1, 0 for EAGLE-3
     feature_weight: float = 1.0
     ce_weight: float = 0.1
+    ce_vocab: str = "full"  # EAGLE-1 soft CE over the "full" vocabulary or the "draft" subset (draft_vocab_size)
     draft_vocab_size: int = 8192  # EAGLE-3
     ttt_steps: int = 7  # EAGLE-3 training-time test depth
     eval_steps: int = 5  # accuracy reported at steps 1..eval_steps
@@ -143,6 +144,8 @@ class Trainer:
             raise EagleSpecError(f"unknown head kind '{config.kind}' (use eagle1 or eagle3)")
         if config.batch_size < 1 or config.ttt_steps < 1 or config.eval_steps < 1:
             raise EagleSpecError("batch size, ttt steps and eval steps must be at least 1")
+        if config.ce_vocab not in ("full", "draft"):
+            raise EagleSpecError(f"--ce-vocab must be full or draft, got '{config.ce_vocab}'")
         self.config = config
         self.progress = progress
         mp = config.mixed_precision
@@ -208,6 +211,12 @@ class Trainer:
             head.set_vocab(ids)
             self.print(f"draft vocabulary: {ids.numel()} tokens cover {coverage(counts, ids):.1%} of the training answers")
             self._init_from_target(head, ids)
+        elif c.ce_vocab == "draft":  # EAGLE-1: train (and evaluate) over the subset it will draft from
+            counts = token_counts(train, self.target.vocab_size)
+            ids = select_draft_vocab(counts, min(c.draft_vocab_size, self.target.vocab_size))
+            head.set_draft_vocab(ids)
+            self.print(f"soft cross-entropy over the {ids.numel()} most frequent answer tokens "
+                       f"({coverage(counts, ids):.1%} of the training answers)")
         return head.to(self.accelerator.device).train()
 
     def _init_from_target(self, head: DraftHead, ids: torch.Tensor) -> None:
@@ -277,7 +286,8 @@ class Trainer:
             saved = json.loads(config_path.read_text())
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"'{config_path}' is not valid JSON ({exc})") from exc
-        changed = [k for k in RESUME_KEYS if saved.get(k) != asdict(self.config).get(k)]
+        defaults = {f.name: f.default for f in fields(TrainConfig)}  # checkpoints from before a key existed
+        changed = [k for k in RESUME_KEYS if saved.get(k, defaults.get(k)) != asdict(self.config).get(k)]
         if changed:
             raise CheckpointError(
                 f"cannot resume from '{folder}': these settings differ from the checkpoint's: {', '.join(changed)}")
