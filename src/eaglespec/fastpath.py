@@ -3,8 +3,9 @@
 Why it is faster than calling the transformers model: a pre-allocated KV cache with in-place commit of the
 accepted path (no concatenation or gathering of whole caches per step), fused QKV and gate/up matrices (3 matmuls
 fewer per layer), RoPE tables computed once, a boolean mask built once per step, and little Python per layer.
-Weights are read from the transformers model (nothing is copied from its source). It is checked token for token
-against the generic `TargetModel` path in tests/test_fastpath.py.
+Weights are read from the transformers model (nothing is copied from its source); with `quantize` the linear
+layers are kept as int8 / int4 weight-only matrices (`eaglespec.quant`). It is checked token for token against the
+generic `TargetModel` path in tests/test_fastpath.py.
 """
 
 from __future__ import annotations
