@@ -111,6 +111,7 @@ def test_verify_costs_cover_the_sizes_that_fit():
     model = make_model("llama")  # context 512
     costs = verify_costs(make_target(model, feature_kind=None), sizes=(2, 8, 32), context=64, repeats=1)
     assert set(costs) == {1, 2, 8, 32} and all(v > 0 for v in costs.values())
+    assert [costs[n] for n in sorted(costs)] == sorted(costs.values())  # a bigger tree never costs less
     small = make_model("llama", max_position_embeddings=48)
     assert max(verify_costs(make_target(small, feature_kind=None), sizes=(2, 8, 32), context=64, repeats=1)) == 8
 
