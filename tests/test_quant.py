@@ -66,6 +66,13 @@ def test_speculative_output_equals_plain_decoding_of_the_quantized_target(arch, 
     assert drafted > 0  # the trees were really verified, not skipped
 
 
+def test_quantize_none_is_the_float_target_without_a_caveat():
+    model = make_model("llama")
+    engine = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle1"), method="eagle2",
+                               quantize="none", tree=TreeSettings(total_tokens=4, depth=2, top_k=2))
+    assert engine.target.quantize is None and "bit-exact" not in engine.notice
+
+
 def test_quantized_logits_track_the_float_model():
     model = make_model("llama")
     exact, quant = make_target(model, "final"), make_target(model, "final", quantize="int8")

@@ -20,6 +20,7 @@ from .errors import EagleSpecError
 from .fastpath import make_target
 from .heads import DraftHead, check_head_fits, load_head
 from .models import DEFAULT_MODEL, load_target, parse_dtype, shipped_head_dir
+from .quant import check_mode
 from .verify import SamplingParams
 
 Prompt = str | list[dict]
@@ -102,6 +103,7 @@ class Engine:
                head_name: str, backend: str = "auto", fallback: bool = True, quantize: str | None = None) -> None:
         if isinstance(tree, str) and tree != "auto":
             raise EagleSpecError(f"tree must be 'auto' or explicit settings, got '{tree}'")
+        quantize = check_mode(quantize, next(hf_model.parameters()).device)  # "none" -> None
         feature_kind = None if head is None else ("eagle3" if head.config.kind == "eagle3" else "final")
         self.target = make_target(hf_model, feature_kind=feature_kind, backend=backend, quantize=quantize)
         self.tokenizer = tokenizer
