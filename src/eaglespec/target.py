@@ -28,6 +28,8 @@ class TargetOutput:
 class TargetModel:
     """A causal LM with a tree-aware KV cache. One sequence at a time (batch size 1)."""
 
+    quantize: str | None = None  # weight-only quantization of the linear layers (FastTarget only)
+
     def __init__(self, model, feature_kind: str | None = "final"):
         if feature_kind not in (None, *FEATURE_KINDS):
             raise ValueError(f"feature_kind must be one of {FEATURE_KINDS} or None")

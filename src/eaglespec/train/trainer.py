@@ -205,18 +205,16 @@ class Trainer:
             draft_vocab_size=min(c.draft_vocab_size, self.target.vocab_size) if c.kind == "eagle3" else None)
         torch.manual_seed(c.seed)
         head = build_head(head_config)
-        if c.kind == "eagle3":
-            counts = token_counts(train, self.target.vocab_size)
-            ids = select_draft_vocab(counts, head_config.draft_vocab_size)
-            head.set_vocab(ids)
-            self.print(f"draft vocabulary: {ids.numel()} tokens cover {coverage(counts, ids):.1%} of the training answers")
-            self._init_from_target(head, ids)
-        elif c.ce_vocab == "draft":  # EAGLE-1: train (and evaluate) over the subset it will draft from
+        if c.kind == "eagle3" or c.ce_vocab == "draft":  # EAGLE-1 with "draft": train over the subset it drafts from
             counts = token_counts(train, self.target.vocab_size)
             ids = select_draft_vocab(counts, min(c.draft_vocab_size, self.target.vocab_size))
-            head.set_draft_vocab(ids)
-            self.print(f"soft cross-entropy over the {ids.numel()} most frequent answer tokens "
-                       f"({coverage(counts, ids):.1%} of the training answers)")
+            what = "draft vocabulary" if c.kind == "eagle3" else "soft cross-entropy vocabulary"
+            self.print(f"{what}: {ids.numel()} tokens cover {coverage(counts, ids):.1%} of the training answers")
+            if c.kind == "eagle3":
+                head.set_vocab(ids)
+                self._init_from_target(head, ids)
+            else:
+                head.set_draft_vocab(ids)
         return head.to(self.accelerator.device).train()
 
     def _init_from_target(self, head: DraftHead, ids: torch.Tensor) -> None:
