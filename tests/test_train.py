@@ -409,3 +409,24 @@ def test_eagle1_cross_entropy_over_the_draft_vocabulary(tmp_path, data_file, tar
         assert subset.loss(batch).parts["soft_ce"] < before
     with pytest.raises(EagleSpecError, match="ce-vocab"):
         Trainer(config(tmp_path, data_file, "eagle1", ce_vocab="some"), target_model, tok, progress=False)
+
+
+def test_eagle3_loss_is_the_weighted_sum_of_per_step_soft_cross_entropies(tmp_path, data_file, target_model, tok):
+    """The trainer computes the target's distributions once and shifts them per step; the reference recomputes
+    them at each step from the target's hidden states at positions t+1+j."""
+    from eaglespec.train.losses import next_embeds, shift_left, soft_cross_entropy, step_mask
+
+    trainer = Trainer(config(tmp_path, data_file, "eagle3", ttt_steps=3), target_model, tok, progress=False)
+    head, batch = trainer.unwrapped(), trainer.train_source.batch(list(range(6)))
+    ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size))
+    with torch.no_grad():
+        got = trainer.loss(batch)
+        outs = head(batch.features.float(), next_embeds(target_model.get_input_embeddings(), batch), 3)
+        want = 0.0
+        for j, out in enumerate(outs):
+            valid = step_mask(batch, j)
+            p = torch.softmax(trainer.target.logits_from_last(shift_left(batch.last, 1 + j)[valid], ids), -1)
+            ce = float(soft_cross_entropy(head.logits(out[valid], None), p))
+            assert got.parts[f"ce{j}"] == pytest.approx(ce, rel=1e-5)
+            want += 0.8**j * ce
+    assert float(got.total) == pytest.approx(want, rel=1e-5)

@@ -78,12 +78,18 @@ def eagle3_loss(head: DraftHead, target: TargetModel, batch: Batch, steps: int, 
     distribution), step j feeding back the head's own step j-1 output."""
     draft_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=batch.input_ids.device))
     outs = (model or head)(batch.features.float(), next_embeds(target.embed_tokens, batch), steps)
+    # Step j of slot t is scored against the target's distribution at position t+1+j: every step reads the same
+    # per-position distributions, shifted, so they are computed once, at the positions s whose next token x_{s+1}
+    # is an answer token (every step's valid slots land there).
+    with torch.no_grad():
+        needed = shift_left(batch.loss_mask & batch.attention_mask, 1)  # [B, T]
+        probs = batch.last.new_zeros((*needed.shape, draft_ids.numel()))  # [B, T, Vd]
+        probs[needed] = torch.softmax(target.logits_from_last(batch.last[needed], draft_ids), dim=-1)
     total = batch.features.new_zeros(())
     parts: dict[str, float] = {}
     for j, out in enumerate(outs):
         valid = step_mask(batch, j)
-        with torch.no_grad():
-            p = torch.softmax(target.logits_from_last(shift_left(batch.last, 1 + j)[valid], draft_ids), dim=-1)
+        p = shift_left(probs, 1 + j)[valid]  # [N, Vd]
         ce = soft_cross_entropy(head.logits(out[valid], target.lm_head), p)  # [N, Vd] vs [N, Vd]
         total = total + STEP_DECAY**j * ce
         parts[f"ce{j}"] = float(ce.detach())
