@@ -359,7 +359,21 @@ def test_cli_data_train_export(tmp_path, target_model, tok, capsys):
                  "--save-dtype", "bfloat16"]) == 0
     head = load_head(out / "head")
     assert head.config.draft_vocab_size == 16 and head.config.target["num_hidden_layers"] == 4
-    assert json.loads((out / "eval.jsonl").read_text().splitlines()[-1])["step"] == 3
+    last_eval = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
+    assert last_eval["step"] == 3
+    # `train eval` on other conversations: the same accuracy function as during training, over the given data.
+    held = write_sharegpt(tmp_path / "held.json", conversations(5, seed=9))
+    assert main(["train", "eval", "--model", str(model_dir), "--head", str(out / "head"), "--data", held,
+                 "--steps", "2", "--out", str(tmp_path / "acc.json")]) == 0
+    result = json.loads((tmp_path / "acc.json").read_text())
+    assert result["conversations"] == 5 and len(result["acc"]) == 2 and result["tokens"] > 0
+    from eaglespec.train.evaluate import draft_accuracy
+
+    direct_target = TargetModel(target_model, feature_kind="eagle3")
+    examples = encode_dataset(tok, read_conversations(held), 1024)
+    direct = draft_accuracy(head.float(), direct_target, OnlineFeatures(direct_target, examples), list(range(5)), 2)
+    assert result["acc"] == pytest.approx(direct["acc"]) and result["tokens"] == direct["tokens"]
+    assert "5 conversations: acc@1=" in capsys.readouterr().out
     assert main(["export", str(out / "head"), str(tmp_path / "official"), "--weights", "bin"]) == 0
     assert (tmp_path / "official" / "pytorch_model.bin").is_file()
     # Errors are one line and exit code 2.

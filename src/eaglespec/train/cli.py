@@ -1,4 +1,4 @@
-"""`eaglespec train data | head` and `eaglespec export`."""
+"""`eaglespec train data | head | eval` and `eaglespec export`."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ def register(subparsers, model_options=None, sampling_options=None) -> None:
     d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     d.set_defaults(func=cmd_data)
     register_head(sub)
+    register_eval(sub)
     register_export(subparsers)
 
 
@@ -82,6 +83,53 @@ def cmd_head(args: argparse.Namespace) -> int:
         trainer.resume(None if args.resume == "latest" else Path(args.resume))
     trainer.train()
     return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Held-out draft accuracy of a finished head on conversations it was not trained on."""
+    import json
+
+    import torch
+
+    from ..heads import check_head_fits, load_head
+    from ..models import load_target
+    from ..target import TargetModel
+    from .data import encode_dataset, read_conversations
+    from .evaluate import draft_accuracy, format_accuracy
+    from .features import OnlineFeatures
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.steps < 1:
+        raise EagleSpecError(f"--steps must be at least 1, got {args.steps}")
+    head = load_head(args.head, draft_vocab=args.draft_vocab)
+    model, tokenizer = load_target(args.model, dtype="float32")
+    target = TargetModel(model, feature_kind="eagle3" if head.config.kind == "eagle3" else "final")
+    check_head_fits(head, target, f"the head in '{args.head}'")
+    convs = [c for path in args.data for c in read_conversations(path)]
+    examples = encode_dataset(tokenizer, convs, args.max_length)
+    if args.limit is not None:
+        examples = examples[: args.limit]
+    result = draft_accuracy(head, target, OnlineFeatures(target, examples), list(range(len(examples))), args.steps)
+    print(f"{len(examples)} conversations: {format_accuracy(result)}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"head": str(args.head), "data": args.data,
+                                              "conversations": len(examples), **result}) + "\n")
+    return 0
+
+
+def register_eval(sub) -> None:
+    v = sub.add_parser("eval", help="top-1 accuracy of a head's draft at steps 1..N on held-out conversations")
+    _model_arg(v)
+    v.add_argument("--head", required=True, help="head folder (ours or an official EAGLE / EAGLE-3 checkpoint)")
+    v.add_argument("--data", nargs="+", required=True, help="ShareGPT-format .json/.jsonl file(s) the head did not see")
+    v.add_argument("--steps", type=int, default=5, help="draft steps (each feeds back the head's own output)")
+    v.add_argument("--limit", type=int, default=None, help="at most this many conversations")
+    v.add_argument("--max-length", type=int, default=1024, help="tokens per conversation (longer ones are cut)")
+    v.add_argument("--draft-vocab", type=int, default=None,
+                   help="EAGLE-1: drafting vocabulary size (default: the head's; 0 = full)")
+    v.add_argument("--out", default=None, help="also write the result as JSON here")
+    v.set_defaults(func=cmd_eval)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
