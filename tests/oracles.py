@@ -42,3 +42,37 @@ class OracleTreeWithDecoys(Drafter):
             parents += [parent, parent, len(toks) - 3]
             parent = len(toks) - 2
         return DraftTree(torch.tensor(toks), torch.tensor(parents))
+
+
+def tree_rows_and_steps(target, prompt: torch.Tensor, path: list[int], decoys: tuple[int, int] = (11, 5)):
+    """Verify a small branching tree after `prompt`, then decode `path` one token at a time from the same prefix.
+
+    Tree rows: 0 = path[0] (root), 1 = decoys[0] (child of 0), 2 = path[1] (child of 0), 3 = path[2] (child of 2),
+    4 = decoys[1] (child of 1): rows 2 and 3 see non-contiguous cache rows. Returns (the tree's logits at rows
+    0, 2, 3, the one-token steps' logits for path[0..2], a chain verify's logits for path): [3, V] each."""
+    parents = [-1, 0, 0, 2, 1]
+    mask = torch.zeros(5, 5, dtype=torch.bool)
+    for r in range(5):
+        p = r
+        while p >= 0:
+            mask[r, p], p = True, parents[p]
+    c = prompt.numel()
+
+    def fresh():
+        target.reset()
+        target.forward(prompt)
+        target.commit()
+
+    fresh()
+    tokens = torch.tensor([path[0], decoys[0], path[1], path[2], decoys[1]])
+    tree = target.forward(tokens, torch.tensor([c, c + 1, c + 1, c + 2, c + 2]), mask).logits[[0, 2, 3]]
+    target.commit(torch.zeros(0, dtype=torch.long))
+    steps = []
+    for i, token in enumerate(path[:3]):
+        steps.append(target.forward(torch.tensor([token]), torch.tensor([c + i]), mask[:1, :1]).logits[0])
+        target.commit()
+    fresh()
+    chain_logits = target.forward(torch.tensor(path[:3]), torch.arange(c, c + 3),
+                                  torch.ones(3, 3, dtype=torch.bool).tril()).logits
+    target.commit()
+    return tree, torch.stack(steps), chain_logits

@@ -112,11 +112,6 @@ class Engine:
         settings = None if isinstance(tree, str) else tree
         self.decoder = SpecDecoder(self.target, tokenizer, self._make_drafter(method, head, settings, head_name))
         self.tree_choice = None
-        if quantize and method != "vanilla":
-            self.notice = "; ".join(filter(None, [self.notice, (
-                f"--quantize {quantize}: the target runs on bfloat16 activations, so a tree forward and a one-token "
-                "step can round a near-tie differently and greedy text may part from plain quantized decoding; "
-                "the default float32 target is bit-exact")]))
         if tree == "auto" and method in ("eagle2", "chain") and head is not None:
             from .autotree import auto_tree
 

@@ -6,6 +6,17 @@ fewer per layer), RoPE tables computed once, a boolean mask built once per step,
 Weights are read from the transformers model (nothing is copied from its source); with `quantize` the linear
 layers are kept as int8 / int4 weight-only matrices (`eaglespec.quant`). It is checked token for token against the
 generic `TargetModel` path in tests/test_fastpath.py.
+
+Row-invariant decode steps (quantized targets). Speculative decoding is lossless only if a token's logits in a
+multi-token verify pass equal those of a one-token step. The int8 / int4 kernels give each row the same bits
+whatever the number of rows, but torch's CPU attention kernel does not, and re-rounding activations to bfloat16
+before every quantized product amplifies its last-bit differences to ~0.2 of a logit. So when the target is
+quantized, every decode step (a forward with a tree mask: plain decoding's one-token steps and every verify pass)
+attends row by row: each query row gets one attention call over exactly the keys it may see, in sequence order (a
+slice of the cache when they are contiguous, a gathered copy otherwise). That is the same call plain decoding makes
+for that token, so a verified row is bit-identical to it. The prompt prefill is the same call in both and stays
+batched. Float32 targets keep one batched call: there the matrix products themselves differ in the last bit
+between one row and several (~3e-5 of a logit, see benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -61,6 +72,7 @@ class FastTarget(TargetModel):
         """`quantize`: None (the model's own weights), "int8" or "int4" weight-only (see eaglespec.quant)."""
         super().__init__(model, feature_kind)
         self.quantize = check_mode(quantize, self.device)
+        self.row_invariant = self.quantize is not None  # decode steps attend row by row (module docstring)
         c = self.config
         self.n_heads = c.num_attention_heads
         self.n_kv = getattr(c, "num_key_value_heads", None) or self.n_heads
@@ -143,6 +155,29 @@ class FastTarget(TargetModel):
         half = x.shape[-1] // 2
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
+    @staticmethod
+    def _visible_rows(allowed: Tensor, c: int) -> list[int | Tensor]:
+        """Per query row r: the end of the contiguous cache slice [0, end) it sees (an int), or the sorted cache
+        rows it sees (a LongTensor) when they are not contiguous. allowed: [n, c + n] bool."""
+        out: list[int | Tensor] = []
+        for r in range(allowed.shape[0]):
+            seen = allowed[r].nonzero().squeeze(1)  # [S_r], ascending: prefix, ancestors, the row itself
+            out.append(int(seen.numel()) if int(seen[-1]) == seen.numel() - 1 else seen)
+        return out
+
+    def _attend_rows(self, layer: int, q: Tensor, rows: list[int | Tensor]) -> Tensor:
+        """One attention call per query row over exactly its visible keys. q: [H, n, hd] -> [H, n, hd]."""
+        keys, values = self.keys[layer], self.values[layer]  # [Hkv, capacity, hd]
+        gqa = self.n_heads != self.n_kv
+        out = []
+        for r, seen in enumerate(rows):
+            if isinstance(seen, int):
+                k, v = keys[:, :seen], values[:, :seen]
+            else:
+                k, v = keys.index_select(1, seen), values.index_select(1, seen)
+            out.append(F.scaled_dot_product_attention(q[None, :, r : r + 1], k[None], v[None], enable_gqa=gqa)[0])
+        return torch.cat(out, dim=1)  # [H, n, hd]
+
     @torch.inference_mode()
     def forward(self, tokens: Tensor, positions: Tensor | None = None, tree_mask: Tensor | None = None,
                 logits_rows: Tensor | slice | None = None) -> TargetOutput:
@@ -163,6 +198,8 @@ class FastTarget(TargetModel):
         allowed[:, c:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_() if tree_mask is None \
             else tree_mask.to(self.device)
         mask = allowed[None, None]
+        # Row-invariant steps: the cache rows each query row may see, as a slice bound or a gathered index.
+        rows = self._visible_rows(allowed, c) if self.row_invariant and tree_mask is not None else None
         cos, sin = self.cos[positions][None], self.sin[positions][None]  # [1, n, hd]
         H, Hkv, hd = self.n_heads, self.n_kv, self.head_dim
 
@@ -176,11 +213,15 @@ class FastTarget(TargetModel):
             q, k, v = qkv.view(n, H + 2 * Hkv, hd).transpose(0, 1).split([H, Hkv, Hkv], dim=0)  # [heads, n, hd]
             self.keys[i, :, c : c + n] = self._rotate(k, cos, sin)
             self.values[i, :, c : c + n] = v
-            attn = F.scaled_dot_product_attention(
-                self._rotate(q, cos, sin)[None], self.keys[i, :, : c + n][None], self.values[i, :, : c + n][None],
-                attn_mask=mask, enable_gqa=H != Hkv,
-            )  # [1, H, n, hd]
-            x = x + layer.o(attn[0].transpose(0, 1).reshape(n, H * hd))
+            q = self._rotate(q, cos, sin)
+            if rows is None:
+                attn = F.scaled_dot_product_attention(
+                    q[None], self.keys[i, :, : c + n][None], self.values[i, :, : c + n][None],
+                    attn_mask=mask, enable_gqa=H != Hkv,
+                )[0]  # [H, n, hd]
+            else:
+                attn = self._attend_rows(i, q, rows)
+            x = x + layer.o(attn.transpose(0, 1).reshape(n, H * hd))
             gate, up = layer.gate_up(self._norm(x, layer.post_norm)).chunk(2, dim=-1)  # [n, I] each
             x = x + layer.down(F.silu(gate) * up)
         self._pending = n
