@@ -30,8 +30,9 @@ def run(capsys, *argv):
 
 
 def test_generate_streams_text_and_reports_speed(capsys, model_dir, head_dir):
+    # Explicit tree settings: with `--tree auto` the method printed depends on this machine's timings.
     code, out, err = run(capsys, "generate", "w1 w2 w3", "--model", str(model_dir), "--head", str(head_dir),
-                         "--max-new-tokens", "12")
+                         "--max-new-tokens", "12", "--total-tokens", "4", "--depth", "2", "--tree-top-k", "2")
     assert code == 0
     assert out.strip(), "the answer is printed"
     assert "tokens/s" in err and "tau" in err and "method eagle2" in err

