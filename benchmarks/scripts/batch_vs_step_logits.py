@@ -1,9 +1,10 @@
-"""How far a 4-token forward's logits are from four one-token steps' (the same tokens), float32 vs int8/int4.
+"""How far a 4-token verify forward's logits are from four one-token steps' (the same tokens), float32 vs int8/int4.
 
     python benchmarks/scripts/batch_vs_step_logits.py
 
 Speculative verification compares the target's choice in a multi-token forward with what plain decoding computes
-one token at a time; any difference can flip a near-tie. Prints the largest absolute logit difference per row.
+one token at a time; any difference can flip a near-tie. Prints the largest absolute logit difference per row,
+for the decode path (a causal tree mask, as the decoding loop passes) and for a batched prefill-style call.
 """
 
 import torch
@@ -20,11 +21,16 @@ for mode in (None, "int8", "int4"):
     target = FastTarget(model, "final", quantize=mode)
     target.forward(ids[: n - 4])
     target.commit()
-    batch = target.forward(ids[n - 4 :]).logits  # [4, V]
+    c = n - 4
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    verify = target.forward(ids[c:], torch.arange(c, n), causal).logits  # [4, V], the decode path
+    target.commit(torch.zeros(0, dtype=torch.long))
+    prefill = target.forward(ids[c:]).logits  # [4, V], one batched attention call
     target.commit(torch.zeros(0, dtype=torch.long))
     steps = []
     for i in range(4):
-        steps.append(target.forward(ids[n - 4 + i : n - 3 + i]).logits[0])
+        steps.append(target.forward(ids[c + i : c + i + 1], torch.tensor([c + i]), causal[:1, :1]).logits[0])
         target.commit()
-    diffs = [f"{(batch[i] - steps[i]).abs().max().item():.2e}" for i in range(4)]
-    print(f"{mode or 'float32':8s} max |logit difference| per row: {', '.join(diffs)}")
+    for name, batch in (("verify", verify), ("prefill", prefill)):
+        diffs = [f"{(batch[i] - steps[i]).abs().max().item():.2e}" for i in range(4)]
+        print(f"{mode or 'float32':8s} {name:8s} max |logit difference| per row: {', '.join(diffs)}")

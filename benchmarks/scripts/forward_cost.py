@@ -1,6 +1,11 @@
 """Fast-path target forward time vs number of tokens on top of a short cached prefix, and an op profile.
 
     python benchmarks/scripts/forward_cost.py [--quantize int8|int4] [--dtype float32] [--threads 2]
+        [--batched-attention]
+
+Each forward is a decode step as the decoding loop makes it (positions and a causal tree mask). With --quantize,
+decode steps attend row by row (bit-exact, see eaglespec/fastpath.py); --batched-attention times the single
+batched attention call instead, to see what that costs.
 """
 
 import argparse
@@ -17,25 +22,30 @@ p.add_argument("--quantize", default=None)
 p.add_argument("--dtype", default="float32")
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--profile", action="store_true")
+p.add_argument("--batched-attention", action="store_true", help="quantized: one batched attention call per layer")
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 model, tokenizer = load_target("smollm2-135m", dtype=args.dtype)
 target = FastTarget(model, None, quantize=args.quantize)
 target.forward(torch.tensor(tokenizer("Write a poem about the sea and the sky and the stars. " * 8)["input_ids"]))
 target.commit()
-print(f"dtype {args.dtype}, quantize {args.quantize}, {args.threads} threads, {target.cache_len} cached tokens")
+if args.batched_attention:
+    target.row_invariant = False
+print(f"dtype {args.dtype}, quantize {args.quantize}, {args.threads} threads, {target.cache_len} cached tokens, "
+      f"row-invariant attention {target.row_invariant}")
+c = target.cache_len
 for n in [1, 2, 4, 8, 16, 32, 64]:
     tokens = torch.randint(0, 1000, (n,))
     times = []
     for _ in range(12):
         start = time.perf_counter()
-        target.forward(tokens)
+        target.forward(tokens, torch.arange(c, c + n), torch.ones(n, n, dtype=torch.bool).tril())
         target.commit(torch.tensor([], dtype=torch.long))  # keep nothing: the prefix stays as it was
         times.append(time.perf_counter() - start)
     print(f"forward {n:2d} tokens: median {statistics.median(times[2:]) * 1000:.1f} ms")
 if args.profile:
     with torch.profiler.profile() as prof:
         for _ in range(5):
-            target.forward(torch.tensor([5]))
+            target.forward(torch.tensor([5]), torch.tensor([c]), torch.ones(1, 1, dtype=torch.bool))
             target.commit(torch.tensor([], dtype=torch.long))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
