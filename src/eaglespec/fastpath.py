@@ -156,7 +156,7 @@ class FastTarget(TargetModel):
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
     @staticmethod
-    def _visible_rows(allowed: Tensor, c: int) -> list[int | Tensor]:
+    def _visible_rows(allowed: Tensor) -> list[int | Tensor]:
         """Per query row r: the end of the contiguous cache slice [0, end) it sees (an int), or the sorted cache
         rows it sees (a LongTensor) when they are not contiguous. allowed: [n, c + n] bool."""
         out: list[int | Tensor] = []
@@ -199,7 +199,7 @@ class FastTarget(TargetModel):
             else tree_mask.to(self.device)
         mask = allowed[None, None]
         # Row-invariant steps: the cache rows each query row may see, as a slice bound or a gathered index.
-        rows = self._visible_rows(allowed, c) if self.row_invariant and tree_mask is not None else None
+        rows = self._visible_rows(allowed) if self.row_invariant and tree_mask is not None else None
         cos, sin = self.cos[positions][None], self.sin[positions][None]  # [1, n, hd]
         H, Hkv, hd = self.n_heads, self.n_kv, self.head_dim
 
