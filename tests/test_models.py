@@ -56,3 +56,11 @@ def test_dtype_auto_follows_the_hardware():
     assert parse_dtype("bf16") == torch.bfloat16
     with pytest.raises(EagleSpecError, match="auto, float32"):
         parse_dtype("float8")
+
+
+def test_shipped_heads_follow_the_registry_preference():
+    default = models.shipped_head_dir("smollm2-135m")
+    assert default is not None and default.name == "smollm2-135m-eagle1"  # the better-drafting head comes first
+    assert models.shipped_head_dir("smollm2-135m", "eagle3").name == "smollm2-135m-eagle3"
+    assert models.shipped_head_dir("smollm2-135m", "medusa") is None
+    assert models.shipped_head_dir("no-such-model") is None

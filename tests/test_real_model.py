@@ -4,10 +4,9 @@ import pytest
 import torch
 
 from eaglespec import Engine, TreeSettings
-from eaglespec.heads import HeadConfig, build_head, load_head
+from eaglespec.heads import load_head
 from eaglespec.models import load_target, shipped_head_dir
 from eaglespec.fastpath import make_target
-from eaglespec.target import TargetModel
 
 from oracles import tree_rows_and_steps
 
@@ -30,13 +29,11 @@ def smol():
     torch.set_num_threads(1)
 
 
-def _head(model):
-    """The shipped head when there is one (high acceptance), else a random one (almost nothing accepted)."""
-    folder = shipped_head_dir("smollm2-135m")
-    if folder is not None:
-        return load_head(folder)
-    torch.manual_seed(0)
-    return build_head(HeadConfig.for_target(TargetModel(model), "eagle1")).eval()
+def _head(model, kind: str | None = None):
+    """The shipped head (the default one, or of `kind`): real acceptance, so trees are accepted deep."""
+    folder = shipped_head_dir("smollm2-135m", kind)
+    assert folder is not None, "the shipped heads are part of the package"
+    return load_head(folder)
 
 
 def test_registry_model_loads_with_chat_template(smol):
@@ -48,17 +45,20 @@ def test_registry_model_loads_with_chat_template(smol):
     assert engine.encode("Hello!", chat=False) == tokenizer("Hello!")["input_ids"]
 
 
-def test_speculative_greedy_equals_vanilla_on_chat_prompts(smol):
+@pytest.mark.parametrize("kind, prompts", [("eagle1", PROMPTS), ("eagle3", PROMPTS[::2])])
+def test_speculative_greedy_equals_vanilla_on_chat_prompts(smol, kind, prompts):
     model, tokenizer = smol
     vanilla = Engine.from_model(model, tokenizer, method="vanilla")
-    spec = Engine.from_model(model, tokenizer, head=_head(model), method="eagle2",
+    spec = Engine.from_model(model, tokenizer, head=_head(model, kind), method="eagle2",
                              tree=TreeSettings(total_tokens=16, depth=5, top_k=4))
-    for prompt in PROMPTS:
+    taus = []
+    for prompt in prompts:
         want = vanilla.generate(prompt, max_new_tokens=128)
         got = spec.generate(prompt, max_new_tokens=128)
         assert got.tokens == want.tokens, prompt
         assert got.text == want.text
-        assert got.stats.tau >= 1.0
+        taus.append(got.stats.tau)
+    assert sum(taus) / len(taus) > 1.3  # a trained head: drafts are accepted (a random head gives ~1.0)
 
 
 def test_int4_tree_rows_are_bit_identical_to_one_token_steps(smol):

@@ -33,7 +33,7 @@ class ModelSpec:
     module: str  # importable package name that holds the file (located, never imported)
     gguf_file: str  # path of the GGUF file inside that package
     pip_command: str
-    heads: dict[str, str] = field(default_factory=dict)  # head kind -> folder name under HEADS_DIR
+    heads: dict[str, str] = field(default_factory=dict)  # head kind -> folder under HEADS_DIR, preferred first
 
 
 REGISTRY: dict[str, ModelSpec] = {
@@ -194,11 +194,15 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "f
 
 
 def shipped_head_dir(name_or_path: str, kind: str | None = None) -> Path | None:
-    """The folder of a head shipped for a registry model (preferring EAGLE-3, then EAGLE-1), or None."""
+    """The folder of a head shipped for a registry model, or None.
+
+    Without a kind, the registry's preference order decides: the first kind in `ModelSpec.heads` that is shipped
+    (for SmolLM2 the EAGLE-1 head, which drafts better than the EAGLE-3 one; see shipped_heads/README.md).
+    """
     spec = REGISTRY.get(name_or_path)
     if spec is None:
         return None
-    kinds = [kind] if kind else ["eagle3", "eagle1"]
+    kinds = [kind] if kind else list(spec.heads)
     for k in kinds:
         folder = spec.heads.get(k)
         if folder and (HEADS_DIR / folder / "config.json").is_file():
