@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import packed
 from .errors import EagleSpecError
 from .heads.base import DraftHead
 from .tree import EAGLE1_CHOICES, DraftTree, validate_choices
@@ -73,7 +74,9 @@ class EagleDrafter(Drafter):
                  settings: TreeSettings | None = None):
         if mode not in ("dynamic", "static", "chain"):
             raise ValueError(f"unknown draft mode {mode}")
-        self.head, self.embed_tokens, self.lm_head, self.mode = head, embed_tokens, lm_head, mode
+        # The head's own linear layers packed for oneDNN on a CPU (a copy; the caller's head is left as it is).
+        self.head = packed.pack_linears(head)
+        self.embed_tokens, self.lm_head, self.mode = embed_tokens, lm_head, mode
         self.settings = settings or TreeSettings()
         self.name = {"dynamic": "eagle2", "static": "eagle1", "chain": "chain"}[mode]
         self.choices = validate_choices(self.settings.choices or EAGLE1_CHOICES) if mode == "static" else None

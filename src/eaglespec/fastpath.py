@@ -7,16 +7,21 @@ Weights are read from the transformers model (nothing is copied from its source)
 layers are kept as int8 / int4 weight-only matrices (`eaglespec.quant`). It is checked token for token against the
 generic `TargetModel` path in tests/test_fastpath.py.
 
-Row-invariant decode steps (quantized targets). Speculative decoding is lossless only if a token's logits in a
-multi-token verify pass equal those of a one-token step. The int8 / int4 kernels give each row the same bits
-whatever the number of rows, but torch's CPU attention kernel does not, and re-rounding activations to bfloat16
-before every quantized product amplifies its last-bit differences to ~0.2 of a logit. So when the target is
-quantized, every decode step (a forward with a tree mask: plain decoding's one-token steps and every verify pass)
-attends row by row: each query row gets one attention call over exactly the keys it may see, in sequence order (a
-slice of the cache when they are contiguous, a gathered copy otherwise). That is the same call plain decoding makes
-for that token, so a verified row is bit-identical to it. The prompt prefill is the same call in both and stays
-batched. Float32 targets keep one batched call: there the matrix products themselves differ in the last bit
-between one row and several (~3e-5 of a logit, see benchmarks/RESULTS.md).
+Float32 weights are pre-packed for oneDNN (`eaglespec.packed`): on a CPU a product of 2-16 rows then costs about
+what one row costs, instead of twice as much, which is what makes verifying a draft tree cheap.
+
+Row-invariant decode steps. Speculative decoding is lossless only if a token's logits in a multi-token verify pass
+equal those of a one-token step. The packed float32 layers and the int8 / int4 weight-only kernels
+(`eaglespec.quant`) give each row the same bits whatever the number of rows; torch's CPU attention kernel does not.
+With a quantized target, re-rounding activations to bfloat16 before every product amplifies its last-bit
+differences to ~0.2 of a logit, so there every decode step (a forward with a tree mask: plain decoding's one-token
+steps and every verify pass) attends row by row: each query row gets one attention call over exactly the keys it
+may see, in sequence order (a slice of the cache when they are contiguous, a gathered copy otherwise). That is the
+same call plain decoding makes for that token, so a verified row is bit-identical to it. The prompt prefill is the
+same call in both and stays batched. Float32 targets keep one batched attention call by default: their verified
+logits differ from a one-token step's by float32 rounding only (~1e-6), and the row-by-row calls would cost
+20-90 ms per step on 8-24 tree tokens (SmolLM2-135M, 2 cores). `row_invariant=True` makes float32 decode steps
+bit-exact too (tests/test_packed.py).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import EagleSpecError
+from . import packed
 from .quant import check_mode, quantize
 from .target import TargetModel, TargetOutput
 
@@ -68,11 +74,17 @@ class FastTarget(TargetModel):
     """`TargetModel` with its own forward for Llama-style models. Construct through `make_target`."""
 
     def __init__(self, model, feature_kind: str | None = "final", initial_capacity: int = 1024,
-                 quantize: str | None = None):
-        """`quantize`: None (the model's own weights), "int8" or "int4" weight-only (see eaglespec.quant)."""
+                 quantize: str | None = None, pack: bool | None = None, row_invariant: bool | None = None):
+        """`quantize`: None (the model's own weights), "int8" or "int4" weight-only (see eaglespec.quant).
+        `pack`: float32 weights pre-packed for oneDNN (eaglespec.packed); None = wherever available.
+        `row_invariant`: decode steps attend row by row (module docstring); None = when quantized."""
         super().__init__(model, feature_kind)
         self.quantize = check_mode(quantize, self.device)
-        self.row_invariant = self.quantize is not None  # decode steps attend row by row (module docstring)
+        can_pack = self.quantize is None and packed.available(self.dtype, self.device)
+        if pack and not can_pack:
+            raise EagleSpecError("pack=True needs float32 weights on a CPU with oneDNN, and no --quantize")
+        self.pack = can_pack if pack is None else bool(pack)
+        self.row_invariant = self.quantize is not None if row_invariant is None else bool(row_invariant)
         c = self.config
         self.n_heads = c.num_attention_heads
         self.n_kv = getattr(c, "num_key_value_heads", None) or self.n_heads
@@ -81,7 +93,7 @@ class FastTarget(TargetModel):
         self.layers = [self._fuse(layer) for layer in self.decoder.layers]
         self.final_norm = self.decoder.norm.weight.detach()
         head = self.lm_head
-        self.logits_head: Linear = self._linear(head.weight, head.bias) if self.quantize else head
+        self.logits_head: Linear = self._linear(head.weight, head.bias) if self.quantize or self.pack else head
         rope = getattr(c, "rope_parameters", None) or {}
         theta = float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
@@ -91,6 +103,8 @@ class FastTarget(TargetModel):
     def _linear(self, weight: Tensor, bias: Tensor | None = None) -> Linear:
         if self.quantize:
             return quantize(weight, bias, self.quantize)
+        if self.pack:
+            return packed.pack(weight, bias)
         return partial(F.linear, weight=weight.detach().contiguous(), bias=None if bias is None else bias.detach())
 
     def _fuse(self, layer) -> _Layer:
@@ -197,9 +211,11 @@ class FastTarget(TargetModel):
         allowed = torch.ones(n, c + n, dtype=torch.bool, device=self.device)  # [n, c + n]
         allowed[:, c:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_() if tree_mask is None \
             else tree_mask.to(self.device)
-        mask = allowed[None, None]
+        mask = allowed[None, None] if n > 1 else None  # a one-token step sees every cached row and itself
         # Row-invariant steps: the cache rows each query row may see, as a slice bound or a gathered index.
-        rows = self._visible_rows(allowed) if self.row_invariant and tree_mask is not None else None
+        rows = None
+        if self.row_invariant and tree_mask is not None:
+            rows = [c + 1] if n == 1 else self._visible_rows(allowed)
         cos, sin = self.cos[positions][None], self.sin[positions][None]  # [1, n, hd]
         H, Hkv, hd = self.n_heads, self.n_kv, self.head_dim
 

@@ -1,0 +1,67 @@
+"""Float32 linear layers with their weights pre-packed for oneDNN: the CPU fast path's default for float32 targets.
+
+`F.linear` on a float32 CPU tensor goes to MKL, which repacks the weight matrix on every call with more than one
+row. For a small model that is bound by reading its weights, this makes a 2-row product cost about twice a 1-row
+one (SmolLM2-135M, 2 cores: 82 ms of matrix products for 2 rows against 42 ms for 1). oneDNN's linear with a weight
+reordered once into its blocked layout reads the weights once per call, so 1-8 rows cost about the same (31-42 ms
+there), which is what makes verifying a draft tree cheap on a CPU (benchmarks/RESULTS.md, "where the time goes").
+
+It also gives each row the same bits whatever the number of rows in the call (checked in tests/test_packed.py),
+which, with the fast path's row-by-row attention, makes a verified row bit-identical to a one-token step.
+
+The packed copy takes as much memory as the weight it packs.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+def available(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """True where packing applies: float32 weights on a CPU whose torch build has oneDNN (mkldnn)."""
+    return dtype == torch.float32 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+@dataclass
+class PackedLinear:
+    """y = x W^T (+ b), W held in oneDNN's blocked layout. Call it like `F.linear(x, W, b)`: x [..., K] -> [..., N]."""
+
+    weight: Tensor  # [N, K] float32, mkldnn layout
+    bias: Tensor | None  # [N]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def pack(weight: Tensor, bias: Tensor | None = None) -> PackedLinear:
+    """Reorder a float32 [N, K] weight once into oneDNN's layout (a copy; the input is left as it is)."""
+    w = weight.detach().float().contiguous()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    return PackedLinear(packed, None if bias is None else bias.detach().float().contiguous())
+
+
+class PackedLinearModule(nn.Module):
+    """Inference-only stand-in for an `nn.Linear` (no gradients flow through oneDNN's packed weight)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.linear = pack(linear.weight, linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x)
+
+
+def pack_linears(module: nn.Module) -> nn.Module:
+    """A copy of `module` for inference in which every float32 CPU `nn.Linear` is packed (the rest is as it was).
+    The draft heads use it: a draft step multiplies 1-10 rows, where unpacked float32 products cost most."""
+    out = copy.deepcopy(module)
+    for parent in out.modules():
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and available(child.weight.dtype, child.weight.device):
+                setattr(parent, name, PackedLinearModule(child))
+    return out

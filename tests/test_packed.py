@@ -1,0 +1,94 @@
+"""Float32 linear layers pre-packed for oneDNN (eaglespec.packed) and their use in the fast path and the drafter."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eaglespec import packed
+from eaglespec.errors import EagleSpecError
+from eaglespec.fastpath import FastTarget, make_target
+from eaglespec.heads import HeadConfig, build_head
+from eaglespec.target import TargetModel
+
+from conftest import VOCAB, make_model
+from oracles import tree_rows_and_steps
+from test_engine import PROMPTS
+
+pytestmark = pytest.mark.skipif(not packed.available(torch.float32, "cpu"), reason="this torch has no oneDNN")
+
+
+def test_packed_product_matches_f_linear_with_and_without_bias():
+    torch.manual_seed(0)
+    w, b, x = torch.randn(96, 80), torch.randn(96), torch.randn(7, 80)
+    torch.testing.assert_close(packed.pack(w, b)(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed.pack(w)(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert packed.pack(w)(x[None]).shape == (1, 7, 96)
+
+
+def test_each_row_is_computed_the_same_whatever_the_number_of_rows():
+    """What lets a packed float32 target verify a tree bit-identically to one-token steps."""
+    torch.manual_seed(0)
+    layer = packed.pack(torch.randn(160, 128), torch.randn(160))
+    x = torch.randn(48, 128)
+    full = layer(x)
+    for rows in (1, 2, 3, 5, 8, 16, 24):
+        assert torch.equal(torch.cat([layer(x[i:i + rows]) for i in range(0, 48, rows)]), full)
+
+
+def test_availability_follows_dtype_and_device():
+    assert packed.available(torch.float32, "cpu")
+    assert not packed.available(torch.bfloat16, "cpu") and not packed.available(torch.float32, "meta")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_packed_float32_target_with_row_invariant_attention_is_bit_exact(arch):
+    """Packed layers plus row-by-row attention: a verified tree row equals the one-token steps bit for bit."""
+    target = make_target(make_model(arch), "final")
+    assert isinstance(target, FastTarget) and target.pack and not target.row_invariant  # the float32 defaults
+    target.row_invariant = True
+    tree, steps, chain = tree_rows_and_steps(target, torch.tensor(PROMPTS[1]), [7, 3, 9])
+    assert torch.equal(tree, steps) and torch.equal(chain, steps)
+
+
+def test_packed_and_unpacked_targets_agree():
+    model = make_model("llama")
+    prompt = torch.tensor(PROMPTS[0])
+    on, off = FastTarget(model, "final"), FastTarget(model, "final", pack=False)
+    assert on.pack and not off.pack
+    a, b = on.forward(prompt), off.forward(prompt)
+    torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a.features, b.features, atol=1e-4, rtol=1e-4)
+
+
+def test_packing_is_refused_where_it_cannot_apply():
+    with pytest.raises(EagleSpecError, match="pack=True"):
+        FastTarget(make_model("llama"), "final", quantize="int8", pack=True)
+
+
+def test_pack_linears_copies_the_module_and_keeps_its_outputs():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(32, 48), nn.SiLU(), nn.Sequential(nn.Linear(48, 16, bias=False)))
+    fast = packed.pack_linears(block)
+    assert isinstance(fast[0], packed.PackedLinearModule) and isinstance(fast[2][0], packed.PackedLinearModule)
+    assert isinstance(block[0], nn.Linear)  # the original is untouched
+    x = torch.randn(5, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x), block(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [None, 40])
+def test_eagle1_logits_are_packed_in_inference_mode_only(vocab):
+    model = make_model("llama")
+    target = TargetModel(model)
+    head = build_head(HeadConfig.for_target(target, "eagle1")).eval()
+    if vocab:
+        head.set_draft_vocab(torch.randperm(VOCAB)[:vocab])
+    hidden = torch.randn(3, model.config.hidden_size)
+    with torch.no_grad():
+        plain = head.logits(hidden, target.lm_head)
+    with torch.inference_mode():
+        fast = head.logits(hidden, target.lm_head)
+    assert isinstance(head._rows[1], packed.PackedLinear)
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+    assert fast.shape == (3, vocab or VOCAB)
