@@ -92,3 +92,28 @@ def test_eagle1_logits_are_packed_in_inference_mode_only(vocab):
     assert isinstance(head._rows[1], packed.PackedLinear)
     torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
     assert fast.shape == (3, vocab or VOCAB)
+
+
+def test_row_by_row_attention_leaves_every_step_key_in_its_row():
+    """Branching rows borrow the cache rows after the prefix for their paths; afterwards every tree token's key and
+    value must be back in its own row, as the batched step leaves them, or committing the accepted path breaks."""
+    model = make_model("llama")
+    exact, batched = FastTarget(model, "final", row_invariant=True), FastTarget(model, "final")
+    parents = [-1, 0, 0, 2, 1, 3]  # rows 2, 3, 5 (and 4) see non-contiguous step rows
+    mask = torch.eye(6, dtype=torch.bool)
+    for r in range(6):
+        p = parents[r]
+        while p >= 0:
+            mask[r, p], p = True, parents[p]
+    depth = mask.sum(1) - 1
+    prompt, tokens = torch.tensor(PROMPTS[2]), torch.tensor([5, 9, 11, 3, 7, 2])
+    c = prompt.numel()
+    for target in (exact, batched):
+        target.forward(prompt)
+        target.commit()
+        target.forward(tokens, c + depth, mask)
+    rows = slice(c, c + 6)
+    assert torch.equal(exact.keys[0, :, rows], batched.keys[0, :, rows])  # layer 0: the same numbers in both
+    assert torch.equal(exact.values[0, :, rows], batched.values[0, :, rows])
+    torch.testing.assert_close(exact.keys[:, :, rows], batched.keys[:, :, rows], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(exact.values[:, :, rows], batched.values[:, :, rows], atol=1e-5, rtol=1e-5)

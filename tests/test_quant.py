@@ -47,7 +47,7 @@ def test_each_row_is_computed_the_same_whatever_the_number_of_rows(mode):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_verified_tree_row_is_bit_identical_to_the_one_token_step(arch, mode):
     """Quantized decode steps are row-invariant: each tree row's logits equal, bit for bit, those of one-token steps
-    along its path, for branching rows (gathered keys) and a chain (cache slices). The tiny model rarely shows the
+    along its path, for branching rows (paths copied after the prefix) and a chain (cache slices). The tiny model rarely shows the
     difference without it; tests/test_real_model.py checks the real one, where it is ~0.2 of a logit."""
     target = make_target(make_model(arch), "final", quantize=mode)
     assert target.row_invariant

@@ -1,10 +1,12 @@
-"""How far a 4-token verify forward's logits are from four one-token steps' (the same tokens), float32 vs int8/int4.
+"""How far a 4-token verify forward's logits are from four one-token steps' (the same tokens), per target form.
 
     python benchmarks/scripts/batch_vs_step_logits.py
 
 Speculative verification compares the target's choice in a multi-token forward with what plain decoding computes
 one token at a time; any difference can flip a near-tie. Prints the largest absolute logit difference per row,
-for the decode path (a causal tree mask, as the decoding loop passes) and for a batched prefill-style call.
+for the decode path (a causal tree mask, as the decoding loop passes) and for a batched prefill-style call, for:
+float32 with unpacked weights (F.linear), float32 packed for oneDNN (the default), the same with row-by-row
+attention (row_invariant=True), int8 and int4 (row by row by default).
 """
 
 import torch
@@ -17,8 +19,15 @@ model, tokenizer = load_target("smollm2-135m", dtype="float32")
 ids = torch.tensor(tokenizer("Explain how a bicycle works in simple terms. A bicycle is a mechanical device that "
                              "uses")["input_ids"])
 n = len(ids)
-for mode in (None, "int8", "int4"):
-    target = FastTarget(model, "final", quantize=mode)
+FORMS = {  # name: FastTarget options
+    "float32 unpacked": dict(pack=False),
+    "float32 packed": dict(),
+    "float32 packed, row by row": dict(row_invariant=True),
+    "int8": dict(quantize="int8"),
+    "int4": dict(quantize="int4"),
+}
+for form, options in FORMS.items():
+    target = FastTarget(model, "final", **options)
     target.forward(ids[: n - 4])
     target.commit()
     c = n - 4
@@ -33,4 +42,4 @@ for mode in (None, "int8", "int4"):
         target.commit()
     for name, batch in (("verify", verify), ("prefill", prefill)):
         diffs = [f"{(batch[i] - steps[i]).abs().max().item():.2e}" for i in range(4)]
-        print(f"{mode or 'float32':8s} {name:8s} max |logit difference| per row: {', '.join(diffs)}")
+        print(f"{form:27s} {name:8s} max |logit difference| per row: {', '.join(diffs)}")

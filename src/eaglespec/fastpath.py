@@ -16,8 +16,9 @@ equal those of a one-token step. The packed float32 layers and the int8 / int4 w
 With a quantized target, re-rounding activations to bfloat16 before every product amplifies its last-bit
 differences to ~0.2 of a logit, so there every decode step (a forward with a tree mask: plain decoding's one-token
 steps and every verify pass) attends row by row: each query row gets one attention call over exactly the keys it
-may see, in sequence order (a slice of the cache when they are contiguous, a gathered copy otherwise). That is the
-same call plain decoding makes for that token, so a verified row is bit-identical to it. The prompt prefill is the
+may see, in sequence order: the cached prefix followed by its path of tree tokens (copied into the cache rows right
+after the prefix when the path is not already there). That is the same call plain decoding makes for that token,
+so a verified row is bit-identical to it. The prompt prefill is the
 same call in both and stays batched. Float32 targets keep one batched attention call by default: their verified
 logits differ from a one-token step's by float32 rounding only (~1e-6), and the row-by-row calls would cost
 20-90 ms per step on 8-24 tree tokens (SmolLM2-135M, 2 cores). `row_invariant=True` makes float32 decode steps
@@ -170,26 +171,45 @@ class FastTarget(TargetModel):
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
     @staticmethod
-    def _visible_rows(allowed: Tensor) -> list[int | Tensor]:
-        """Per query row r: the end of the contiguous cache slice [0, end) it sees (an int), or the sorted cache
-        rows it sees (a LongTensor) when they are not contiguous. allowed: [n, c + n] bool."""
+    def _visible_rows(tree_mask: Tensor, c: int) -> list[int | Tensor]:
+        """Per query row r of a decode step over c cached rows (all of which every row sees): the end c + L of the
+        cache slice [0, c + L) it sees when its visible step rows are the first L (an int), else those step rows,
+        ascending (a LongTensor [L]: its ancestors and itself). tree_mask: [n, n] bool."""
         out: list[int | Tensor] = []
-        for r in range(allowed.shape[0]):
-            seen = allowed[r].nonzero().squeeze(1)  # [S_r], ascending: prefix, ancestors, the row itself
-            out.append(int(seen.numel()) if int(seen[-1]) == seen.numel() - 1 else seen)
+        for r in range(tree_mask.shape[0]):
+            path = tree_mask[r].nonzero().squeeze(1)  # [L]
+            out.append(c + path.numel() if int(path[-1]) == path.numel() - 1 else path)
         return out
 
-    def _attend_rows(self, layer: int, q: Tensor, rows: list[int | Tensor]) -> Tensor:
-        """One attention call per query row over exactly its visible keys. q: [H, n, hd] -> [H, n, hd]."""
+    def _attend_rows(self, layer: int, q: Tensor, k: Tensor, v: Tensor, rows: list[int | Tensor]) -> Tensor:
+        """One attention call per query row over exactly its visible keys, laid out as a one-token step sees them:
+        the cached prefix, then its path in sequence order. q: [H, n, hd]; k, v: [Hkv, n, hd] this step's rotated
+        keys and values, already written to cache rows c..c+n-1. Returns [H, n, hd].
+
+        A row whose path is not the first rows of the step gets its path copied into cache rows c..c+L-1 (a few
+        rows; the prefix is never copied) and attends to the slice [0, c + L); those rows are restored after."""
         keys, values = self.keys[layer], self.values[layer]  # [Hkv, capacity, hd]
-        gqa = self.n_heads != self.n_kv
-        out = []
-        for r, seen in enumerate(rows):
+        c, gqa = self.cache_len, self.n_heads != self.n_kv
+        out: list[Tensor | None] = [None] * len(rows)
+
+        def attend(r: int, end: int) -> None:
+            out[r] = F.scaled_dot_product_attention(q[None, :, r : r + 1], keys[None, :, :end], values[None, :, :end],
+                                                    enable_gqa=gqa)[0]  # [H, 1, hd]
+
+        branched = []
+        for r, seen in enumerate(rows):  # slices first, while rows c..c+n-1 hold this step's keys in order
             if isinstance(seen, int):
-                k, v = keys[:, :seen], values[:, :seen]
+                attend(r, seen)
             else:
-                k, v = keys.index_select(1, seen), values.index_select(1, seen)
-            out.append(F.scaled_dot_product_attention(q[None, :, r : r + 1], k[None], v[None], enable_gqa=gqa)[0])
+                branched.append(r)
+        for r in branched:
+            path = rows[r]
+            keys[:, c : c + path.numel()] = k[:, path]
+            values[:, c : c + path.numel()] = v[:, path]
+            attend(r, c + path.numel())
+        if branched:
+            keys[:, c : c + k.shape[1]] = k
+            values[:, c : c + v.shape[1]] = v
         return torch.cat(out, dim=1)  # [H, n, hd]
 
     @torch.inference_mode()
@@ -212,10 +232,10 @@ class FastTarget(TargetModel):
         allowed[:, c:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_() if tree_mask is None \
             else tree_mask.to(self.device)
         mask = allowed[None, None] if n > 1 else None  # a one-token step sees every cached row and itself
-        # Row-invariant steps: the cache rows each query row may see, as a slice bound or a gathered index.
+        # Row-invariant steps: for each query row, the end of the cache slice it sees, or its path of step rows.
         rows = None
         if self.row_invariant and tree_mask is not None:
-            rows = [c + 1] if n == 1 else self._visible_rows(allowed)
+            rows = [c + 1] if n == 1 else self._visible_rows(allowed[:, c:], c)
         cos, sin = self.cos[positions][None], self.sin[positions][None]  # [1, n, hd]
         H, Hkv, hd = self.n_heads, self.n_kv, self.head_dim
 
@@ -227,7 +247,8 @@ class FastTarget(TargetModel):
                 saved.append(x)
             qkv = layer.qkv(self._norm(x, layer.input_norm))  # [n, (H + 2Hkv) hd]
             q, k, v = qkv.view(n, H + 2 * Hkv, hd).transpose(0, 1).split([H, Hkv, Hkv], dim=0)  # [heads, n, hd]
-            self.keys[i, :, c : c + n] = self._rotate(k, cos, sin)
+            k = self._rotate(k, cos, sin)
+            self.keys[i, :, c : c + n] = k
             self.values[i, :, c : c + n] = v
             q = self._rotate(q, cos, sin)
             if rows is None:
@@ -236,7 +257,7 @@ class FastTarget(TargetModel):
                     attn_mask=mask, enable_gqa=H != Hkv,
                 )[0]  # [H, n, hd]
             else:
-                attn = self._attend_rows(i, q, rows)
+                attn = self._attend_rows(i, q, k, v, rows)
             x = x + layer.o(attn.transpose(0, 1).reshape(n, H * hd))
             gate, up = layer.gate_up(self._norm(x, layer.post_norm)).chunk(2, dim=-1)  # [n, I] each
             x = x + layer.down(F.silu(gate) * up)
