@@ -20,8 +20,8 @@ may see, in sequence order: the cached prefix followed by its path of tree token
 after the prefix when the path is not already there). That is the same call plain decoding makes for that token,
 so a verified row is bit-identical to it. The prompt prefill is the
 same call in both and stays batched. Float32 targets keep one batched attention call by default: their verified
-logits differ from a one-token step's by float32 rounding only (~1e-6), and the row-by-row calls would cost
-20-90 ms per step on 8-24 tree tokens (SmolLM2-135M, 2 cores). `row_invariant=True` makes float32 decode steps
+logits differ from a one-token step's by float32 rounding only (~4e-5 of a logit on SmolLM2-135M), and the
+row-by-row calls would cost 25-80 ms more per step on 8-24 tree tokens (2 cores, benchmarks/RESULTS.md). `row_invariant=True` makes float32 decode steps
 bit-exact too (tests/test_packed.py).
 """
 
