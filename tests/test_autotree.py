@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from eaglespec import Engine, TreeSettings
-from eaglespec.autotree import Candidates, _candidates, auto_tree, cache_path, choose, verify_costs
+from eaglespec.autotree import (Candidates, TreeChoice, _candidates, auto_tree, cache_path, check_by_decoding, choose,
+                                verify_costs)
 from eaglespec.drafters import EagleDrafter
 from eaglespec.fastpath import make_target
 
@@ -125,6 +126,7 @@ def test_auto_tree_engine_is_lossless_and_cached():
     engine = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2")
     choice = auto_tree(engine, prompts=[[5, 17, 33, 2, 9, 40], [60, 61, 62]], new_tokens=24)
     assert not choice.cached and choice.positions == 2 * 8  # (24 - 8) / 2 positions per prompt
+    assert choice.measured_tokens_per_s > 0 and choice.measured_vanilla_tokens_per_s > 0  # checked by decoding
     assert choice.settings == engine.drafter.settings
     s = engine.drafter.settings
     assert 2 <= s.total_tokens <= 64 and 1 <= s.depth <= 8 and 1 <= s.top_k <= 8
@@ -175,3 +177,24 @@ def test_auto_falls_back_to_plain_decoding_when_no_tree_pays(expected, speculate
     assert forced.drafter.settings == choice.settings and not isinstance(forced.drafter, VanillaDrafter)
     prompt = [5, 17, 33, 2, 9, 40]
     assert engine.generate(prompt, max_new_tokens=12).tokens == vanilla_tokens(model, prompt, 12)
+
+
+def test_measured_rates_decide_over_the_cost_model():
+    import json
+
+    choice = TreeChoice(TreeSettings(total_tokens=4, depth=2, top_k=2), 1.5, 150.0, {1: 10.0, 4: 12.0},
+                        {"2,2": 1.0}, [], 10)
+    assert choice.speculate  # expected 150 tokens/s against 100 for one-token forwards
+    choice.measured_tokens_per_s, choice.measured_vanilla_tokens_per_s = 90.0, 100.0
+    assert not choice.speculate and "measured by decoding: 90.0 against 100.0" in choice.summary()
+    assert not TreeChoice.from_json(json.loads(json.dumps(choice.to_json()))).speculate
+
+
+def test_check_by_decoding_times_both_ways_and_restores_the_drafter():
+    model = make_model("llama", seed=3)
+    engine = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle1"))
+    drafter = engine.decoder.drafter
+    settings = TreeSettings(total_tokens=4, depth=2, top_k=2)
+    tree, plain = check_by_decoding(engine, settings, prompts=[[5, 17, 33, 2], [60, 61, 62]], new_tokens=8)
+    assert tree > 0 and plain > 0
+    assert engine.decoder.drafter is drafter and drafter.settings == settings

@@ -315,7 +315,10 @@ def build_methods(names: list[str], ctx: MethodContext, sweep: tuple[str, list[i
                     settings["tree_auto"] = {"expected_tau": engine.tree_choice.expected_tau,
                                              "expected_tokens_per_s": engine.tree_choice.expected_tokens_per_s,
                                              "expected_vanilla_tokens_per_s": round(
-                                                 engine.tree_choice.vanilla_tokens_per_s, 2)}
+                                                 engine.tree_choice.vanilla_tokens_per_s, 2),
+                                             "measured_tokens_per_s": engine.tree_choice.measured_tokens_per_s,
+                                             "measured_vanilla_tokens_per_s":
+                                                 engine.tree_choice.measured_vanilla_tokens_per_s}
             if head is not None and head.config.kind == "eagle1":
                 settings["draft_vocab"] = head.draft_vocab_size
             if head is not None:
