@@ -9,7 +9,9 @@ there), which is what makes verifying a draft tree cheap on a CPU (benchmarks/RE
 It also gives each row the same bits whatever the number of rows in the call (checked in tests/test_packed.py),
 which, with the fast path's row-by-row attention, makes a verified row bit-identical to a one-token step.
 
-The packed copy takes as much memory as the weight it packs.
+The packed copy takes as much memory as the weight it packs. The two oneDNN ops are the ones torch.compile's CPU
+backend emits for frozen linear layers; they are underscore (internal) ops, so `available` checks they exist and
+tests/test_packed.py must pass again after a torch upgrade.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from torch import Tensor, nn
 
 def available(dtype: torch.dtype, device: torch.device | str) -> bool:
     """True where packing applies: float32 weights on a CPU whose torch build has oneDNN (mkldnn)."""
-    return dtype == torch.float32 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+    return (dtype == torch.float32 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 @dataclass
