@@ -21,8 +21,8 @@ after the prefix when the path is not already there). That is the same call plai
 so a verified row is bit-identical to it. The prompt prefill is the
 same call in both and stays batched. Float32 targets keep one batched attention call by default: their verified
 logits differ from a one-token step's by float32 rounding only (~4e-5 of a logit on SmolLM2-135M), and the
-row-by-row calls would cost 25-80 ms more per step on 8-24 tree tokens (2 cores, benchmarks/RESULTS.md). `row_invariant=True` makes float32 decode steps
-bit-exact too (tests/test_packed.py).
+row-by-row calls would cost 25-80 ms more per step on 8-24 tree tokens (2 cores, benchmarks/RESULTS.md).
+`row_invariant=True` makes float32 decode steps bit-exact too (tests/test_packed.py).
 """
 
 from __future__ import annotations

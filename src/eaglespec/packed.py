@@ -17,12 +17,14 @@ tests/test_packed.py must pass again after a torch upgrade.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 
+@functools.cache  # called on every draft step (heads/eagle1.py): answer once per dtype and device
 def available(dtype: torch.dtype, device: torch.device | str) -> bool:
     """True where packing applies: float32 weights on a CPU whose torch build has oneDNN (mkldnn)."""
     return (dtype == torch.float32 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()

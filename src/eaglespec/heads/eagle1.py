@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import packed
-
 from .base import DraftHead
 from .config import HeadConfig
 from .layer import DecoderLayer
@@ -68,7 +67,8 @@ class Eagle1Head(DraftHead):
             rows, bias = weight.detach(), None if bias is None else bias.detach()  # [V, d], [V]
             if self.vocab_ids is not None:
                 rows, bias = rows.index_select(0, self.vocab_ids), None if bias is None else bias[self.vocab_ids]
-            self._rows = (key, packed.pack(rows, bias) if fast else partial(F.linear, weight=rows.contiguous(), bias=bias))
+            project = packed.pack(rows, bias) if fast else partial(F.linear, weight=rows.contiguous(), bias=bias)
+            self._rows = (key, project)
         return self._rows[1](hidden)
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
