@@ -247,6 +247,32 @@ def test_resume_refuses_changed_settings_and_corrupt_state(tmp_path, data_file, 
         Trainer(config(tmp_path / "fresh", data_file, "eagle3"), target_model, tok, progress=False).resume()
 
 
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_init_head_starts_from_a_trained_head_with_a_fresh_schedule(tmp_path, data_file, target_model, tok, kind):
+    trained = trained_head(tmp_path / "first", data_file, target_model, tok, kind)
+    save_head(trained, tmp_path / "trained", dtype=torch.float32)
+    cfg = config(tmp_path / "second", data_file, kind, max_steps=4, init_head=str(tmp_path / "trained"))
+    again = Trainer(cfg, target_model, tok, progress=False)
+    assert again.step == 0 and again.scheduler.get_last_lr()[0] < cfg.lr  # warm-up starts afresh
+    start = {k: v.clone() for k, v in again.unwrapped().state_dict().items()}
+    for key, value in trained.state_dict().items():
+        assert torch.equal(start[key], value), key
+    fresh = Trainer(config(tmp_path / "fresh", data_file, kind, max_steps=4), target_model, tok, progress=False)
+    batch = again.train_source.batch(list(range(8)))
+    with torch.no_grad():
+        assert float(again.loss(batch).total) < float(fresh.loss(batch).total)
+    again.train()
+    moved = again.unwrapped().state_dict()
+    assert any(not torch.equal(moved[k], start[k]) for k in start if k != "vocab_ids")
+    with pytest.raises(EagleSpecError, match="--kind"):
+        Trainer(config(tmp_path / "x", data_file, "eagle3" if kind == "eagle1" else "eagle1",
+                       init_head=str(tmp_path / "trained")), target_model, tok, progress=False)
+    if kind == "eagle3":
+        with pytest.raises(EagleSpecError, match="--draft-vocab-size 24"):
+            Trainer(config(tmp_path / "y", data_file, kind, draft_vocab_size=16, init_head=str(tmp_path / "trained")),
+                    target_model, tok, progress=False)
+
+
 def test_training_on_data_without_answers_is_a_clear_error(tmp_path, target_model, tok):
     path = tmp_path / "q.json"
     path.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hello"}]}] * 4))

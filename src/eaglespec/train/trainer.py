@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, EagleSpecError
-from ..heads import DraftHead, HeadConfig, build_head, load_head, save_draft_vocab, save_head
+from ..heads import DraftHead, HeadConfig, build_head, check_head_fits, load_head, save_draft_vocab, save_head
 from ..target import TargetModel
 from .data import Example, encode_dataset, read_conversations
 from .evaluate import draft_accuracy, format_accuracy, log_jsonl
@@ -66,6 +66,7 @@ class TrainConfig:
     save_dtype: str = "float32"  # dtype of the final head's weights
     mixed_precision: str = "auto"  # auto = bf16 on GPU, none on CPU
     time_budget_min: float | None = None  # stop training (and write the head) after this many minutes
+    init_head: str | None = None  # start from this head's weights (ours or official layout) instead of random ones
     extra: dict = field(default_factory=dict)
 
     def input_noise(self) -> float:
@@ -200,6 +201,8 @@ class Trainer:
 
     def _new_head(self, train: list[Example]) -> DraftHead:
         c = self.config
+        if c.init_head:
+            return self._initial_head(train)
         head_config = HeadConfig.for_target(
             self.target, c.kind, name=c.model,
             draft_vocab_size=min(c.draft_vocab_size, self.target.vocab_size) if c.kind == "eagle3" else None)
@@ -216,6 +219,26 @@ class Trainer:
             else:
                 head.set_draft_vocab(ids)
         return head.to(self.accelerator.device).train()
+
+    def _initial_head(self, train: list[Example]) -> DraftHead:
+        """`--init-head`: continue from a trained head (new data, a fresh optimizer and learning-rate schedule).
+        An EAGLE-3 head keeps its own draft vocabulary; an EAGLE-1 head gets the subset of the new data."""
+        c = self.config
+        head = load_head(c.init_head)
+        check_head_fits(head, self.target, f"--init-head '{c.init_head}'")
+        if head.config.kind != c.kind:
+            raise EagleSpecError(f"--init-head '{c.init_head}' is a {head.config.kind} head; pass --kind {head.config.kind}")
+        if c.kind == "eagle3" and head.config.draft_vocab_size != min(c.draft_vocab_size, self.target.vocab_size):
+            raise EagleSpecError(f"--init-head '{c.init_head}' drafts from {head.config.draft_vocab_size} tokens; "
+                                 f"pass --draft-vocab-size {head.config.draft_vocab_size}")
+        self.print(f"starting from the weights of {c.init_head}")
+        if c.kind == "eagle1":
+            if c.ce_vocab == "draft":
+                counts = token_counts(train, self.target.vocab_size)
+                head.set_draft_vocab(select_draft_vocab(counts, min(c.draft_vocab_size, self.target.vocab_size)))
+            else:
+                head.set_draft_vocab(None)
+        return head.to(self.accelerator.device).requires_grad_(True).train()
 
     def _init_from_target(self, head: DraftHead, ids: torch.Tensor) -> None:
         """EAGLE-3: start the head's LM head from the target's rows for the draft vocabulary and its output norm
