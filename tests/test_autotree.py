@@ -190,7 +190,7 @@ def test_measured_rates_decide_over_the_cost_model():
     assert not TreeChoice.from_json(json.loads(json.dumps(choice.to_json()))).speculate
 
 
-def test_check_by_decoding_times_both_ways_and_restores_the_drafter():
+def test_check_by_decoding_times_both_ways_and_keeps_the_engines_drafter():
     model = make_model("llama", seed=3)
     engine = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle1"))
     drafter = engine.decoder.drafter

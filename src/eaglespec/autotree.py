@@ -310,22 +310,21 @@ def cached_verify_costs(target: TargetModel, use_cache: bool = True) -> dict[int
 
 def check_by_decoding(engine, settings: TreeSettings, prompts=CALIBRATION_PROMPTS[:2], new_tokens: int = 64,
                       ) -> tuple[float, float]:
-    """(tokens/s with `settings`, tokens/s of plain decoding) through the engine's real loop: one untimed warm-up
-    each, then the prompts decoded both ways, interleaved so a slow spell of the machine hits both."""
-    drafter = engine.decoder.drafter
-    plain = VanillaDrafter()
-    drafter.settings = settings
+    """(tokens/s with `settings`, tokens/s of plain decoding) through the real decoding loop: one untimed warm-up
+    each, then the prompts decoded both ways, interleaved so a slow spell of the machine hits both. Plain decoding
+    runs in a second decoder over the same target; the engine's own decoder keeps its drafter."""
+    from .decode import Finished, SpecDecoder
+
+    engine.decoder.drafter.settings = settings
+    decoders = {"tree": engine.decoder, "plain": SpecDecoder(engine.target, engine.tokenizer, VanillaDrafter())}
     totals = {"tree": [0, 0.0], "plain": [0, 0.0]}
-    try:
-        for timed, prompt in [(False, prompts[0])] + [(True, p) for p in prompts]:
-            for name, use in (("tree", drafter), ("plain", plain)):
-                engine.decoder.drafter = use
-                stats = engine.generate(prompt, max_new_tokens=new_tokens if timed else 8).stats
-                if timed:
-                    totals[name][0] += stats.new_tokens
-                    totals[name][1] += stats.total_time
-    finally:
-        engine.decoder.drafter = drafter
+    for timed, prompt in [(False, prompts[0])] + [(True, p) for p in prompts]:
+        ids = prompt if isinstance(prompt, list) else engine.encode(prompt)
+        for name, decoder in decoders.items():
+            for item in decoder.stream(ids, max_new_tokens=new_tokens if timed else 8):
+                if timed and isinstance(item, Finished):
+                    totals[name][0] += item.stats.new_tokens
+                    totals[name][1] += item.stats.total_time
     rate = {name: tokens / seconds if seconds > 0 else 0.0 for name, (tokens, seconds) in totals.items()}
     return rate["tree"], rate["plain"]
 
