@@ -175,11 +175,12 @@ class FastTarget(TargetModel):
         """Per query row r of a decode step over c cached rows (all of which every row sees): the end c + L of the
         cache slice [0, c + L) it sees when its visible step rows are the first L (an int), else those step rows,
         ascending (a LongTensor [L]: its ancestors and itself). tree_mask: [n, n] bool."""
-        out: list[int | Tensor] = []
-        for r in range(tree_mask.shape[0]):
-            path = tree_mask[r].nonzero().squeeze(1)  # [L]
-            out.append(c + path.numel() if int(path[-1]) == path.numel() - 1 else path)
-        return out
+        n = tree_mask.shape[0]
+        counts = tree_mask.sum(dim=1)  # [n]
+        first = torch.arange(n, device=tree_mask.device)[None] < counts[:, None]  # [n, n]: the first L rows
+        leading = (tree_mask == first).all(dim=1).tolist()
+        paths = tree_mask.nonzero()[:, 1].split(counts.tolist())  # per row, its visible step rows ascending
+        return [c + path.numel() if lead else path for lead, path in zip(leading, paths)]
 
     def _attend_rows(self, layer: int, q: Tensor, k: Tensor, v: Tensor, rows: list[int | Tensor]) -> Tensor:
         """One attention call per query row over exactly its visible keys, laid out as a one-token step sees them:
@@ -207,9 +208,10 @@ class FastTarget(TargetModel):
             keys[:, c : c + path.numel()] = k[:, path]
             values[:, c : c + path.numel()] = v[:, path]
             attend(r, c + path.numel())
-        if branched:
-            keys[:, c : c + k.shape[1]] = k
-            values[:, c : c + v.shape[1]] = v
+        if branched:  # restore the step rows the paths overwrote
+            end = max(rows[r].numel() for r in branched)
+            keys[:, c : c + end] = k[:, :end]
+            values[:, c : c + end] = v[:, :end]
         return torch.cat(out, dim=1)  # [H, n, hd]
 
     @torch.inference_mode()
