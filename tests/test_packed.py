@@ -117,3 +117,26 @@ def test_row_by_row_attention_leaves_every_step_key_in_its_row():
     assert torch.equal(exact.values[0, :, rows], batched.values[0, :, rows])
     torch.testing.assert_close(exact.keys[:, :, rows], batched.keys[:, :, rows], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(exact.values[:, :, rows], batched.values[:, :, rows], atol=1e-5, rtol=1e-5)
+
+
+def test_full_vocabulary_eagle1_drafter_shares_the_targets_packed_lm_head():
+    from eaglespec.api import Engine
+
+    from conftest import TinyTokenizer
+    from test_engine import random_head
+
+    model = make_model("llama", seed=3)
+    head = random_head(model, "eagle1")
+    head.set_draft_vocab(None)
+    engine = Engine.from_model(model, TinyTokenizer(), head=head, tree=None)
+    drafter_head = engine.drafter.head
+    assert engine.target.pack and drafter_head._rows[1] is engine.target.logits_head  # no second packed copy
+    hidden = torch.randn(3, model.config.hidden_size)
+    with torch.inference_mode():
+        shared = drafter_head.logits(hidden, engine.target.lm_head)
+    assert drafter_head._rows[1] is engine.target.logits_head
+    torch.testing.assert_close(shared, F.linear(hidden, model.lm_head.weight), atol=1e-5, rtol=1e-5)
+    drafter_head.set_draft_vocab(torch.arange(10))  # a subset packs its own rows
+    with torch.inference_mode():
+        assert drafter_head.logits(hidden, engine.target.lm_head).shape == (3, 10)
+    assert drafter_head._rows[1] is not engine.target.logits_head

@@ -36,7 +36,7 @@ class Eagle1Head(DraftHead):
             target_ids = target_ids.long().flatten()
             if target_ids.numel() == 0 or int(target_ids.min()) < 0 or int(target_ids.max()) >= self.config.vocab_size:
                 raise ValueError(f"draft vocabulary ids must lie in 0..{self.config.vocab_size - 1}")
-            target_ids = target_ids.to(self.fc.weight.device)
+            target_ids = target_ids.to(next(self.parameters()).device)  # (fc may be packed: no .weight)
         self.vocab_ids = target_ids
         self._rows = None
 
@@ -70,6 +70,12 @@ class Eagle1Head(DraftHead):
             project = packed.pack(rows, bias) if fast else partial(F.linear, weight=rows.contiguous(), bias=bias)
             self._rows = (key, project)
         return self._rows[1](hidden)
+
+    def share_packed_lm_head(self, weight: Tensor, project: Callable[[Tensor], Tensor]) -> None:
+        """Draft over the full vocabulary with the target's own packed LM head (`project`, packed from `weight`)
+        instead of packing a second copy of it. A later set_draft_vocab drops it."""
+        if self.vocab_ids is None:
+            self._rows = ((weight.data_ptr(), weight.dtype, True), project)
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         return draft_ids if self.vocab_ids is None else self.vocab_ids[draft_ids]
