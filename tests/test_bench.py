@@ -139,6 +139,52 @@ def test_the_equality_check_flags_an_output_altered_on_purpose(run):
     assert "| vanilla | 3 |" in summary and "3/3" in summary
 
 
+class Counting(BenchMethod):
+    """Vanilla that counts its calls."""
+
+    def __init__(self, vanilla):
+        super().__init__("vanilla", "vanilla", "ours")
+        self.vanilla, self.calls = vanilla, 0
+
+    def generate(self, prompt_ids, max_new_tokens, sampling) -> RunOutput:
+        self.calls += 1
+        return self.vanilla.generate(prompt_ids, max_new_tokens, sampling)
+
+
+def test_reference_reuses_vanillas_rows_and_still_checks_equality(run, tmp_path):
+    out, methods, _ = run
+    vanilla = Counting(methods[0])
+    eagle2 = next(m for m in methods if m.name == "eagle2")
+    altered = Altered(methods[0])
+    config = BenchConfig(dataset="tiny", max_new_tokens=MAX_NEW, repeats=1, warmup=1)
+    run_benchmark([vanilla, eagle2, altered], QUESTIONS, encode, decode, config, tmp_path / "again", progress=False,
+                  command=["t"], reference=out)
+    assert vanilla.calls == 0 and altered.calls == 1 + 3  # its warm-up, then three prompts
+    old = {(r["question_id"], r["turn"]): r for r in read_rows(out / RESULTS) if r["variant"] == "vanilla"}
+    rows = read_rows(tmp_path / "again" / RESULTS)
+    for r in (r for r in rows if r["variant"] == "vanilla"):
+        assert r["reused_from"] == str(out) and {**r, "reused_from": None} == {**old[(r["question_id"], r["turn"])],
+                                                                              "reused_from": None}
+    assert all(r["equal_to_vanilla"] for r in rows if r["variant"] == "eagle2")
+    assert not any(r["equal_to_vanilla"] for r in rows if r["variant"] == "altered")
+    assert json.loads((tmp_path / "again" / RUN_INFO).read_text())["reference"] == str(out)
+    write_report(tmp_path / "again")
+    assert "vanilla was not run again" in (tmp_path / "again" / SUMMARY).read_text()
+
+    with pytest.raises(EagleSpecError, match="other settings: max_new_tokens"):
+        run_benchmark([vanilla, eagle2], QUESTIONS, encode, decode, BenchConfig(dataset="tiny", max_new_tokens=5),
+                      tmp_path / "x", progress=False, reference=out)
+    extra = [*QUESTIONS, Question(9, "math", ("1 + 1",))]
+    with pytest.raises(EagleSpecError, match="no vanilla answer for question 9 turn 1"):
+        run_benchmark([vanilla, eagle2], extra, encode, decode, config, tmp_path / "y", progress=False, reference=out)
+    with pytest.raises(EagleSpecError, match="prompts differ"):
+        run_benchmark([vanilla, eagle2], QUESTIONS, lambda m: encode(m) + [5], decode, config, tmp_path / "z",
+                      progress=False, reference=out)
+    with pytest.raises(EagleSpecError, match="not a readable bench folder"):
+        run_benchmark([vanilla, eagle2], QUESTIONS, encode, decode, config, tmp_path / "w", progress=False,
+                      reference=tmp_path / "nothing")
+
+
 def test_report_rebuilds_the_same_table_and_plots_from_the_jsonl(run, tmp_path):
     out, methods, _ = run
     summary = (out / SUMMARY).read_text()

@@ -37,6 +37,10 @@ def register(subparsers, model_options, sampling_options) -> None:
     g.add_argument("--head3", default="auto", help="EAGLE-3 head folder for the eagle3 method ('auto' = shipped)")
     g.add_argument("--out", default=None, help="output folder (default bench-DATASET-TIME)")
     g.add_argument("--force", action="store_true", help="overwrite an existing results.jsonl in --out")
+    g.add_argument("--reference", default=None, metavar="DIR",
+                   help="take vanilla's answers and timings from an earlier bench folder with the same prompts and "
+                        "target settings instead of running vanilla again (equality is still checked; speedups then "
+                        "compare runs made at different times)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     model_options(p)
     sampling_options(p)
@@ -155,7 +159,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if "tree" in m.settings:
             print(f"bench: {m.name} tree {m.settings['tree']}", file=sys.stderr)
     run_benchmark(methods, questions, encode, decode, config, out, progress=not args.no_progress,
-                  command=["eaglespec"] + sys.argv[1:])
+                  command=["eaglespec"] + sys.argv[1:], reference=args.reference)
     for path in write_report(out):
         print(path)
     return 0

@@ -76,6 +76,9 @@ def _header(info: dict | None) -> list[str]:
         f"- settings: {json.dumps(info.get('settings', {}), sort_keys=True)}",
         f"- peak memory: {info.get('memory')}",
     ]
+    if info.get("reference"):
+        lines.append(f"- vanilla was not run again: its answers and timings come from `{info['reference']}` "
+                     "(equality checks hold; speedups compare runs made at different times)")
     for method in info.get("methods", []):
         if method.get("settings"):
             lines.append(f"- {method['name']}: {json.dumps(method['settings'], sort_keys=True)}")

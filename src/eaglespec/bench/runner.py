@@ -60,14 +60,48 @@ def _timed(method: BenchMethod, ids: list[int], config: BenchConfig, seed: int |
     return out, memory.peak_mb()
 
 
+# Run settings that must be the same for a reused vanilla baseline (`--reference`) to describe the same prompts.
+REFERENCE_KEYS = ("dataset", "max_new_tokens", "sampling", "system")
+REFERENCE_SETTINGS = ("model", "dtype", "backend", "quantize")
+
+
+def load_reference(folder: str | Path, config: BenchConfig) -> dict[tuple, dict]:
+    """Vanilla's rows of an earlier bench folder, keyed by (question_id, turn), after checking that the run used
+    the same prompts and target settings as `config`."""
+    folder = Path(folder)
+    try:
+        info = json.loads((folder / RUN_INFO).read_text())
+        rows = [json.loads(line) for line in (folder / RESULTS).read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError) as exc:
+        raise EagleSpecError(f"--reference '{folder}' is not a readable bench folder ({exc})") from exc
+    ours = {"dataset": config.dataset, "max_new_tokens": config.max_new_tokens, "sampling": asdict(config.sampling),
+            "system": config.system}
+    differ = [k for k in REFERENCE_KEYS if info.get(k) != ours[k]]
+    differ += [k for k in REFERENCE_SETTINGS if info.get("settings", {}).get(k) != config.settings.get(k)]
+    if differ:
+        raise EagleSpecError(f"--reference '{folder}' was run with other settings: {', '.join(differ)}; "
+                             "run vanilla again (drop --reference) or match them")
+    return {(r["question_id"], r["turn"]): r for r in rows if r.get("method") == "vanilla"}
+
+
 def run_benchmark(methods: list[BenchMethod], questions: list[Question], encode: Encoder, decode: Decoder,
                   config: BenchConfig, out_dir: str | Path, progress: bool = True,
-                  command: list[str] | None = None) -> Path:
-    """Run and record the benchmark; returns the results file. `methods[0]` must be vanilla."""
+                  command: list[str] | None = None, reference: str | Path | None = None) -> Path:
+    """Run and record the benchmark; returns the results file. `methods[0]` must be vanilla. With `reference`
+    (an earlier bench folder with the same prompts and target settings), vanilla's rows are taken from there
+    instead of being run again: its answers still check every other method, but speedups then compare runs
+    made at different times."""
     if not methods or methods[0].name != "vanilla":
         raise EagleSpecError("the benchmark needs vanilla as its first method (the speedup denominator)")
     if config.repeats < 1 or config.warmup < 0:
         raise EagleSpecError("--repeats must be at least 1 and --warmup at least 0")
+    stored = None if reference is None else load_reference(reference, config)
+    if stored is not None:
+        missing = [(q.question_id, t) for q in questions for t in range(1, len(q.turns) + 1)
+                   if (q.question_id, t) not in stored]
+        if missing:
+            raise EagleSpecError(f"--reference '{reference}' has no vanilla answer for question {missing[0][0]} "
+                                 f"turn {missing[0][1]} ({len(missing)} missing)")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     memory = PeakMemory()
@@ -89,14 +123,16 @@ def run_benchmark(methods: list[BenchMethod], questions: list[Question], encode:
                    "ru_maxrss": "process-wide peak resident set since start (getrusage ru_maxrss)"}[memory.method],
         "token_counting": "new tokens up to and including the first end-of-sequence token",
         "machine": describe_machine(),
+        "reference": None if reference is None else str(reference),
     }
     (out_dir / RUN_INFO).write_text(json.dumps(info, indent=2) + "\n")
     results = out_dir / RESULTS
-    total = len(methods) * (config.warmup + config.repeats * info["prompts"])
+    run_methods = methods if stored is None else methods[1:]
+    total = len(run_methods) * (config.warmup + config.repeats * info["prompts"])
     bar = tqdm(total=total, desc="bench", unit="run", disable=not progress, dynamic_ncols=True)
     try:
         warm_ids = encode(_messages(questions[0], 1, [], config.system))
-        for m in methods:
+        for m in run_methods:
             for _ in range(config.warmup):
                 bar.set_postfix_str(f"warm-up {m.name}")
                 m.generate(warm_ids, min(WARMUP_TOKENS, config.max_new_tokens), config.sampling)
@@ -107,8 +143,14 @@ def run_benchmark(methods: list[BenchMethod], questions: list[Question], encode:
                 for turn in range(1, len(q.turns) + 1):
                     ids = encode(_messages(q, turn, answers, config.system))
                     seed = None if config.sampling.seed is None else config.sampling.seed + 1000 * qi + turn
-                    reference, base_speed = None, None
+                    reference_tokens, base_speed = None, None
                     for m in methods:
+                        if m is methods[0] and stored is not None:
+                            row = _reused_row(stored[(q.question_id, turn)], len(ids), reference)
+                            reference_tokens, base_speed = row["tokens"], row["tokens_per_s"]
+                            answers.append(decode(reference_tokens))
+                            f.write(json.dumps(row) + "\n")
+                            continue
                         bar.set_postfix_str(f"q {q.question_id} turn {turn} {m.name}")
                         runs, peaks = [], []
                         for _ in range(config.repeats):
@@ -117,14 +159,21 @@ def run_benchmark(methods: list[BenchMethod], questions: list[Question], encode:
                             peaks.append(peak)
                             bar.update()
                         if m is methods[0]:
-                            reference = runs[0].tokens
-                        row = make_row(m, q, turn, len(ids), runs, peaks, reference, config.sampling.greedy)
+                            reference_tokens = runs[0].tokens
+                        row = make_row(m, q, turn, len(ids), runs, peaks, reference_tokens, config.sampling.greedy)
                         if m is methods[0]:
                             base_speed = row["tokens_per_s"]
-                            answers.append(decode(reference))
+                            answers.append(decode(reference_tokens))
                         row["speedup"] = row["tokens_per_s"] / base_speed if base_speed else None
                         f.write(json.dumps(row) + "\n")
                         f.flush()
     finally:
         bar.close()
     return results
+
+
+def _reused_row(row: dict, prompt_tokens: int, reference: str | Path) -> dict:
+    if row["prompt_tokens"] != prompt_tokens:
+        raise EagleSpecError(f"--reference '{reference}': question {row['question_id']} turn {row['turn']} had "
+                             f"{row['prompt_tokens']} prompt tokens, this run has {prompt_tokens}: the prompts differ")
+    return dict(row, reused_from=str(reference))
