@@ -227,7 +227,8 @@ class Trainer:
         head = load_head(c.init_head)
         check_head_fits(head, self.target, f"--init-head '{c.init_head}'")
         if head.config.kind != c.kind:
-            raise EagleSpecError(f"--init-head '{c.init_head}' is a {head.config.kind} head; pass --kind {head.config.kind}")
+            raise EagleSpecError(
+                f"--init-head '{c.init_head}' is a {head.config.kind} head; pass --kind {head.config.kind}")
         if c.kind == "eagle3" and head.config.draft_vocab_size != min(c.draft_vocab_size, self.target.vocab_size):
             raise EagleSpecError(f"--init-head '{c.init_head}' drafts from {head.config.draft_vocab_size} tokens; "
                                  f"pass --draft-vocab-size {head.config.draft_vocab_size}")
