@@ -53,16 +53,26 @@ def heads(model, folder: Path) -> tuple[Path, Path]:
     return save_head(h1, folder / "head1"), save_head(h3, folder / "head3")
 
 
-class Altered(BenchMethod):
-    """Vanilla with its third token changed on purpose: the equality check must flag it. Counts its calls."""
+class Counting(BenchMethod):
+    """A method that runs vanilla under another name and counts its calls."""
 
-    def __init__(self, vanilla):
-        super().__init__("altered", "altered", "ours")
+    def __init__(self, vanilla, name: str = "vanilla"):
+        super().__init__(name, name, "ours")
         self.vanilla, self.calls = vanilla, 0
 
     def generate(self, prompt_ids, max_new_tokens, sampling) -> RunOutput:
         self.calls += 1
-        out = self.vanilla.generate(prompt_ids, max_new_tokens, sampling)
+        return self.vanilla.generate(prompt_ids, max_new_tokens, sampling)
+
+
+class Altered(Counting):
+    """Vanilla with its third token changed on purpose: the equality check must flag it. Counts its calls."""
+
+    def __init__(self, vanilla):
+        super().__init__(vanilla, "altered")
+
+    def generate(self, prompt_ids, max_new_tokens, sampling) -> RunOutput:
+        out = super().generate(prompt_ids, max_new_tokens, sampling)
         out.tokens[2] = (out.tokens[2] + 1) % VOCAB
         return out
 
@@ -137,18 +147,6 @@ def test_the_equality_check_flags_an_output_altered_on_purpose(run):
     line = next(l for l in summary.splitlines() if l.startswith("| altered |"))
     assert "0/3 **differs**" in line
     assert "| vanilla | 3 |" in summary and "3/3" in summary
-
-
-class Counting(BenchMethod):
-    """Vanilla that counts its calls."""
-
-    def __init__(self, vanilla):
-        super().__init__("vanilla", "vanilla", "ours")
-        self.vanilla, self.calls = vanilla, 0
-
-    def generate(self, prompt_ids, max_new_tokens, sampling) -> RunOutput:
-        self.calls += 1
-        return self.vanilla.generate(prompt_ids, max_new_tokens, sampling)
 
 
 def test_reference_reuses_vanillas_rows_and_still_checks_equality(run, tmp_path):
