@@ -17,7 +17,7 @@ from eaglespec.heads.config import HeadConfig
 from eaglespec.target import TargetModel
 from eaglespec.train.data import encode_conversation, encode_dataset, read_conversations, self_distill
 from eaglespec.train.export import export_head
-from eaglespec.train.features import CachedFeatures, OnlineFeatures
+from eaglespec.train.features import CachedFeatures, OnlineFeatures, open_feature_stores
 from eaglespec.train.trainer import TrainConfig, Trainer, lr_lambda
 from eaglespec.train.vocab import select_draft_vocab, token_counts
 
@@ -284,16 +284,51 @@ def test_cached_features_equal_online_features(tmp_path, data_file, target_model
     target = TargetModel(target_model, feature_kind="eagle3")
     examples = encode_dataset(tok, read_conversations(data_file))[:10]
     online = OnlineFeatures(target, examples)
-    cached = CachedFeatures(target, examples, tmp_path / "cache", "tiny", batch_size=3, dtype=torch.float32,
-                            progress=False)
-    assert "MiB on disk" in capsys.readouterr().err
+    stores = open_feature_stores(target, [examples[:4], examples[4:]], tmp_path / "cache", "tiny", batch_size=3,
+                                 dtype=torch.float32, progress=False)
+    assert "10 conversations to compute" in capsys.readouterr().err
+    cached = CachedFeatures([(stores[0], j) for j in range(4)] + [(stores[1], j) for j in range(6)])
     a, b = online.batch([3, 7, 1]), cached.batch([3, 7, 1])
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
     real = a.attention_mask
     assert torch.allclose(a.last[real], b.last[real], atol=1e-5)
     assert torch.allclose(a.features[real], b.features[real], atol=1e-5)
-    with pytest.raises(CheckpointError, match="other data"):
-        CachedFeatures(target, examples[:5], tmp_path / "cache", "tiny", progress=False)
+
+
+def test_feature_cache_keeps_one_store_per_file_and_reuses_it(tmp_path, target_model, tok, capsys):
+    """A second run with one more data file computes only that file's features; EAGLE-1 reads the EAGLE-3 store;
+    the trainer reuses the stores whatever its split; a corrupt shard is a clear error."""
+    files = [write_sharegpt(tmp_path / "a.json", conversations(5, seed=1)),
+             write_sharegpt(tmp_path / "b.json", conversations(4, seed=2))]
+    first, second = (encode_dataset(tok, read_conversations(f), 256) for f in files)
+    fused = TargetModel(target_model, feature_kind="eagle3")
+    root = tmp_path / "cache"
+    open_feature_stores(fused, [first], root, "tiny", progress=False)
+    assert "5 conversations to compute" in capsys.readouterr().err
+    [folder] = list(root.iterdir())
+    shard = folder / "shard-00000.safetensors"
+    written = shard.stat().st_mtime_ns
+    stores = open_feature_stores(fused, [first, second], root, "tiny", progress=False)
+    assert "4 conversations to compute" in capsys.readouterr().err
+    assert shard.stat().st_mtime_ns == written and len(list(root.iterdir())) == 2
+    again = open_feature_stores(TargetModel(target_model, feature_kind="final"), [first, second], root, "tiny",
+                                progress=False)
+    assert capsys.readouterr().err == ""  # nothing computed: EAGLE-1 takes the "last" rows of the EAGLE-3 stores
+    assert again[0].folder == stores[0].folder and again[0].features is None
+    assert torch.equal(again[1].rows(2)[1], stores[1].rows(2)[0])
+    trainer = Trainer(config(tmp_path, files[0], data=files, kind="eagle3", cache_features=str(root), eval_size=3),
+                      target_model, tok, progress=False)
+    assert "to compute" not in capsys.readouterr().err
+    source = trainer.train_source
+    batch = source.batch([0, 5])
+    for row, i in enumerate((0, 5)):  # each training example is served from its own file's store
+        store, j = source.refs[i]
+        assert store.examples[j] is trainer.train_examples[i] and store.folder.parent == root
+        n = trainer.train_examples[i].input_ids.numel()
+        assert torch.equal(batch.features[row, :n], store.rows(j)[1].float())
+    shard.write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        open_feature_stores(fused, [first], root, "tiny", progress=False)
 
 
 # ---- checkpoints, vocabulary, export -------------------------------------------------------------------------

@@ -175,7 +175,8 @@ def register_head(sub) -> None:
     h.add_argument("--log-every", type=int, default=10)
     h.add_argument("--seed", type=int, default=0)
     h.add_argument("--cache-features", default=None, metavar="DIR",
-                   help="compute target features once into DIR (size printed first); default: online")
+                   help="compute target features once into DIR, one store per --data file, reused by later runs "
+                        "(adding a file computes only its features; size printed first); default: online")
     h.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the final head's weights")
     h.add_argument("--mixed-precision", default="auto", choices=["auto", "no", "bf16", "fp16"],

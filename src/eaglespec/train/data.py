@@ -243,13 +243,20 @@ def encode_conversation(tokenizer, conv: Conversation, max_length: int = 2048) -
 
 def encode_dataset(tokenizer, convs: Iterable[Conversation], max_length: int = 2048) -> list[Example]:
     """Encode conversations; raises when nothing with an assistant turn is left."""
-    convs = list(convs)
-    if not convs:
+    return encode_files(tokenizer, [list(convs)], max_length)[0]
+
+
+def encode_files(tokenizer, files: list[list[Conversation]], max_length: int = 2048) -> list[list[Example]]:
+    """Encode the conversations of several files, file by file (a file may contribute nothing); raises when no
+    file has a conversation, or none has an assistant turn."""
+    n = sum(len(convs) for convs in files)
+    if not n:
         raise EagleSpecError("the dataset is empty: no conversations to train on")
-    examples = [ex for ex in (encode_conversation(tokenizer, c, max_length) for c in convs) if ex is not None]
-    if not examples:
+    encoded = [[ex for ex in (encode_conversation(tokenizer, c, max_length) for c in convs) if ex is not None]
+               for convs in files]
+    if not any(encoded):
         raise EagleSpecError(
-            f"none of the {len(convs)} conversations has an assistant turn: nothing to train the head on "
+            f"none of the {n} conversations has an assistant turn: nothing to train the head on "
             "(run `eaglespec train data` first to have the target write the answers)"
         )
-    return examples
+    return encoded

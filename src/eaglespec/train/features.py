@@ -2,7 +2,7 @@
 
 Both sources answer `batch(indices)` with a right-padded `Batch`. A cache holds, per token, the target's post-norm
 last hidden state (the LM head's input: regression target of EAGLE-1 and source of the target distribution) and,
-for EAGLE-3, the fused low/mid/high features.
+for EAGLE-3, the fused low/mid/high features; it keeps one store per data file.
 """
 
 from __future__ import annotations
@@ -79,51 +79,52 @@ def cache_size_bytes(examples: list[Example], target: TargetModel, dtype: torch.
     return tokens * per_token * torch.finfo(dtype).bits // 8 + tokens * 9
 
 
-class CachedFeatures:
-    """Features computed once into `folder` (safetensors shards + meta.json), then served from memory.
+class FeatureStore:
+    """The target features of one data file's examples: safetensors shards + meta.json in
+    `ROOT/<fingerprint>-<kind>/`, then served from memory.
 
-    A cache built for EAGLE-3 (fused features + last hidden) also serves EAGLE-1, which needs only the last
-    hidden state; the reverse is refused."""
+    One store per data file, named by the file's encoded tokens and the model, so that adding a file to `--data`
+    computes only that file's features, and another split, batch order or data list reuses the shards. An EAGLE-3
+    store (fused features + last hidden) also serves EAGLE-1, which needs only the last hidden state."""
 
     SHARD_EXAMPLES = 256
 
-    def __init__(self, target: TargetModel, examples: list[Example], folder: str | Path, model_name: str,
-                 batch_size: int = 8, dtype: torch.dtype = torch.bfloat16, progress: bool = True):
+    def __init__(self, target: TargetModel, examples: list[Example], root: str | Path, model_name: str,
+                 dtype: torch.dtype = torch.bfloat16):
         self.examples = examples
-        self.folder = Path(folder)
-        self.fingerprint = dataset_fingerprint(examples, model_name)
+        self.target = target
+        self.dtype = dtype
         self.want_fused = target.feature_kind == "eagle3"
-        meta_path = self.folder / "meta.json"
-        if meta_path.is_file():
-            meta = json.loads(meta_path.read_text())
-            if meta.get("fingerprint") != self.fingerprint:
-                raise CheckpointError(
-                    f"feature cache '{self.folder}' was made for other data or another model; use a new folder")
-            if self.want_fused and meta.get("feature_kind") != "eagle3":
-                raise CheckpointError(f"feature cache '{self.folder}' holds EAGLE-1 features only; use a new folder")
-        self._build(target, batch_size, dtype, progress)
-        self._load()
+        fingerprint = dataset_fingerprint(examples, model_name)
+        root = Path(root)
+        self.fingerprint = fingerprint
+        self.folder = root / f"{fingerprint}-eagle3"
+        # EAGLE-1 reads a complete EAGLE-3 store when there is one (its "last" rows are all it needs).
+        if not self.want_fused and self._todo():
+            self.folder = root / f"{fingerprint}-final"
 
     def _shard_path(self, k: int) -> Path:
         return self.folder / f"shard-{k:05d}.safetensors"
 
-    def _build(self, target: TargetModel, batch_size: int, dtype: torch.dtype, progress: bool) -> None:
-        from tqdm import tqdm
+    def _n_shards(self) -> int:
+        return (len(self.examples) + self.SHARD_EXAMPLES - 1) // self.SHARD_EXAMPLES
 
-        n_shards = (len(self.examples) + self.SHARD_EXAMPLES - 1) // self.SHARD_EXAMPLES
-        todo = [k for k in range(n_shards) if not self._shard_path(k).is_file()]
+    def _todo(self) -> list[int]:
+        return [k for k in range(self._n_shards()) if not self._shard_path(k).is_file()]
+
+    def missing(self) -> list[Example]:
+        """The examples whose shards are still to be computed."""
+        return [ex for k in self._todo() for ex in self.examples[k * self.SHARD_EXAMPLES : (k + 1) * self.SHARD_EXAMPLES]]
+
+    def build(self, bar, batch_size: int = 8) -> None:
+        """Compute the missing shards; a shard file appears only when complete, so an interrupted build resumes."""
+        todo = self._todo()
         if not todo:
             return
-        size = cache_size_bytes(self.examples, target, dtype)
-        print(f"feature cache: {len(self.examples)} conversations, about {size / 2**20:.0f} MiB on disk "
-              f"in {self.folder}", file=sys.stderr)
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / "meta.json").write_text(json.dumps(
-            {"fingerprint": self.fingerprint, "examples": len(self.examples), "feature_kind": target.feature_kind,
-             "dtype": str(dtype)}) + "\n")
-        bar = tqdm(total=sum(min(self.SHARD_EXAMPLES, len(self.examples) - k * self.SHARD_EXAMPLES) for k in todo),
-                   desc="target features", unit="conv", disable=not progress)
-        eagle3 = target.feature_kind == "eagle3"
+            {"fingerprint": self.fingerprint, "examples": len(self.examples),
+             "feature_kind": self.target.feature_kind, "dtype": str(self.dtype)}) + "\n")
         for k in todo:
             idx = list(range(k * self.SHARD_EXAMPLES, min((k + 1) * self.SHARD_EXAMPLES, len(self.examples))))
             # Sort by length inside the shard so batches pad little; rows are stored back in example order.
@@ -133,51 +134,85 @@ class CachedFeatures:
             for s in range(0, len(order), batch_size):
                 chunk = order[s : s + batch_size]
                 ids, _, attn = pad_examples([self.examples[i] for i in chunk])
-                last, features = target.features_for_batch(ids, attn.long())
+                last, features = self.target.features_for_batch(ids, attn.long())
                 for row, i in enumerate(chunk):
                     n = self.examples[i].input_ids.numel()
-                    last_rows[i] = last[row, :n].to("cpu", dtype)
-                    if eagle3:
-                        feat_rows[i] = features[row, :n].to("cpu", dtype)
+                    last_rows[i] = last[row, :n].to("cpu", self.dtype)
+                    if self.want_fused:
+                        feat_rows[i] = features[row, :n].to("cpu", self.dtype)
                 bar.update(len(chunk))
             tensors = {"last": torch.cat([last_rows[i] for i in idx])}  # [tokens, d]
-            if eagle3:
+            if self.want_fused:
                 tensors["features"] = torch.cat([feat_rows[i] for i in idx])  # [tokens, 3d]
             tmp = self._shard_path(k).with_suffix(".tmp")
             save_file(tensors, str(tmp))
-            tmp.rename(self._shard_path(k))  # a shard appears only when complete: an interrupted build resumes
-        bar.close()
+            tmp.rename(self._shard_path(k))
 
-    def _load(self) -> None:
+    def load(self) -> None:
+        if not self.examples:
+            return
         lasts, feats = [], []
-        k = 0
-        while self._shard_path(k).is_file():
+        for k in range(self._n_shards()):
             try:
                 shard = load_file(str(self._shard_path(k)))
             except (SafetensorError, OSError) as exc:
-                raise CheckpointError(f"feature shard '{self._shard_path(k)}' is corrupt ({exc}); delete it to rebuild") from exc
+                raise CheckpointError(
+                    f"feature shard '{self._shard_path(k)}' is missing or corrupt ({exc}); delete it to rebuild") from exc
             lasts.append(shard["last"])
             if self.want_fused:
                 feats.append(shard["features"])
-            k += 1
         self.last = torch.cat(lasts)  # [all tokens, d]
         self.features = torch.cat(feats) if feats else None  # [all tokens, 3d] or None (EAGLE-1: = last)
-        lengths = torch.tensor(self.lengths())
+        lengths = torch.tensor([ex.input_ids.numel() for ex in self.examples])
         if self.last.shape[0] != int(lengths.sum()):
-            raise CheckpointError(f"feature cache '{self.folder}' does not match the data; delete it to rebuild")
+            raise CheckpointError(f"feature cache '{self.folder}' does not match its data; delete it to rebuild")
         self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+
+    def rows(self, i: int) -> tuple[Tensor, Tensor]:
+        """Example i's cached rows: last [n, d] and the head's input features [n, F]."""
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        src = self.features if self.features is not None else self.last
+        return self.last[lo:hi], src[lo:hi]
+
+
+def open_feature_stores(target: TargetModel, files: list[list[Example]], root: str | Path, model_name: str,
+                        batch_size: int = 8, dtype: torch.dtype = torch.bfloat16,
+                        progress: bool = True) -> list[FeatureStore]:
+    """One loaded store per data file (`files[f]` = that file's examples), computing missing shards first; the
+    disk size of what will be written is printed before anything is."""
+    from tqdm import tqdm
+
+    stores = [FeatureStore(target, examples, root, model_name, dtype) for examples in files]
+    missing = [ex for s in stores for ex in s.missing()]
+    if missing:
+        size = cache_size_bytes(missing, target, dtype)
+        print(f"feature cache: {len(missing)} conversations to compute, about {size / 2**20:.0f} MiB on disk in {root}",
+              file=sys.stderr)
+        with tqdm(total=len(missing), desc="target features", unit="conv", disable=not progress) as bar:
+            for store in stores:
+                store.build(bar, batch_size)
+    for store in stores:
+        store.load()
+    return stores
+
+
+class CachedFeatures:
+    """Batches from feature stores: example i of this source is example `refs[i][1]` of store `refs[i][0]`."""
+
+    def __init__(self, refs: list[tuple[FeatureStore, int]]):
+        self.refs = refs
+        self.examples = [store.examples[j] for store, j in refs]
 
     def lengths(self) -> list[int]:
         return [ex.input_ids.numel() for ex in self.examples]
 
     def batch(self, indices: list[int]) -> Batch:
         ids, loss, attn = pad_examples([self.examples[i] for i in indices])
+        rows = [self.refs[i][0].rows(self.refs[i][1]) for i in indices]
         b, t = ids.shape
-        src = self.features if self.features is not None else self.last
-        last = torch.zeros(b, t, self.last.shape[1])
-        features = torch.zeros(b, t, src.shape[1])
-        for row, i in enumerate(indices):
-            lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
-            last[row, : hi - lo] = self.last[lo:hi].float()
-            features[row, : hi - lo] = src[lo:hi].float()
+        last = torch.zeros(b, t, rows[0][0].shape[1])
+        features = torch.zeros(b, t, rows[0][1].shape[1])
+        for row, (l, f) in enumerate(rows):
+            last[row, : l.shape[0]] = l.float()
+            features[row, : f.shape[0]] = f.float()
         return Batch(ids, loss, attn, last, features)

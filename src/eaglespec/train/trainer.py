@@ -23,9 +23,9 @@ import torch
 from ..errors import CheckpointError, EagleSpecError
 from ..heads import DraftHead, HeadConfig, build_head, check_head_fits, load_head, save_draft_vocab, save_head
 from ..target import TargetModel
-from .data import Example, encode_dataset, read_conversations
+from .data import Example, encode_files, read_conversations
 from .evaluate import draft_accuracy, format_accuracy, log_jsonl
-from .features import CachedFeatures, OnlineFeatures
+from .features import CachedFeatures, OnlineFeatures, open_feature_stores
 from .losses import eagle1_loss, eagle3_loss
 from .vocab import coverage, select_draft_vocab, token_counts
 
@@ -98,13 +98,12 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float, time_fractio
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def split_examples(examples: list[Example], eval_size: int, seed: int) -> tuple[list[Example], list[Example]]:
-    """Deterministic held-out split: (train, eval)."""
-    order = list(range(len(examples)))
+def split_indices(n: int, eval_size: int, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic held-out split of n examples: (train indices, eval indices), each in increasing order."""
+    order = list(range(n))
     random.Random(seed).shuffle(order)
-    eval_size = min(eval_size, max(0, len(examples) - 1))
-    held = set(order[:eval_size])
-    return [e for i, e in enumerate(examples) if i not in held], [examples[i] for i in sorted(held)]
+    held = set(order[: min(eval_size, max(0, n - 1))])
+    return [i for i in range(n) if i not in held], sorted(held)
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------------
@@ -158,15 +157,16 @@ class Trainer:
         self.target = TargetModel(hf_model.to(self.accelerator.device),
                                   feature_kind="eagle3" if config.kind == "eagle3" else "final")
 
-        convs = [c for path in config.data for c in read_conversations(path)]
-        examples = encode_dataset(tokenizer, convs, config.max_length)
-        train, held = split_examples(examples, config.eval_size, config.seed)
+        files = encode_files(tokenizer, [read_conversations(path) for path in config.data], config.max_length)
+        examples = [ex for file in files for ex in file]
+        train_idx, held_idx = split_indices(len(examples), config.eval_size, config.seed)
         if config.max_examples is not None:
-            train = train[: config.max_examples]
-        if not train:
+            train_idx = train_idx[: config.max_examples]
+        if not train_idx:
             raise EagleSpecError("no training conversations left after the held-out split")
+        train, held = [examples[i] for i in train_idx], [examples[i] for i in held_idx]
         self.train_examples, self.eval_examples = train, held
-        self.train_source, self.eval_source = self._sources(train, held)
+        self.train_source, self.eval_source = self._sources(files, train_idx, held_idx)
 
         self.head = self._new_head(train)
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -185,19 +185,21 @@ class Trainer:
         self.epoch = 0
         self.batch_in_epoch = 0
 
-    def _sources(self, train: list[Example], held: list[Example]):
+    def _sources(self, files: list[list[Example]], train_idx: list[int], held_idx: list[int]):
+        """Feature sources for the training and held-out examples (indices into the files' examples, in order)."""
         c = self.config
         if c.cache_features:
-            if not self.accelerator.is_main_process:
+            if not self.accelerator.is_main_process:  # the main process computes missing features first
                 self.accelerator.wait_for_everyone()
-            folder = Path(c.cache_features)
-            sources = (CachedFeatures(self.target, train, folder / "train", c.model, progress=self.progress),
-                       CachedFeatures(self.target, held, folder / "eval", c.model, progress=self.progress)
-                       if held else None)
+            stores = open_feature_stores(self.target, files, c.cache_features, c.model, progress=self.progress)
             if self.accelerator.is_main_process:
                 self.accelerator.wait_for_everyone()
-            return sources
-        return OnlineFeatures(self.target, train), OnlineFeatures(self.target, held) if held else None
+            refs = [(store, j) for store in stores for j in range(len(store.examples))]
+            return (CachedFeatures([refs[i] for i in train_idx]),
+                    CachedFeatures([refs[i] for i in held_idx]) if held_idx else None)
+        examples = [ex for file in files for ex in file]
+        return (OnlineFeatures(self.target, [examples[i] for i in train_idx]),
+                OnlineFeatures(self.target, [examples[i] for i in held_idx]) if held_idx else None)
 
     def _new_head(self, train: list[Example]) -> DraftHead:
         c = self.config
