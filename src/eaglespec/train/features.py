@@ -12,6 +12,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -21,6 +22,9 @@ from torch import Tensor
 from ..errors import CheckpointError
 from ..target import TargetModel
 from .data import Example
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 
 @dataclass
@@ -95,13 +99,11 @@ class FeatureStore:
         self.target = target
         self.dtype = dtype
         self.want_fused = target.feature_kind == "eagle3"
-        fingerprint = dataset_fingerprint(examples, model_name)
-        root = Path(root)
-        self.fingerprint = fingerprint
-        self.folder = root / f"{fingerprint}-eagle3"
+        self.fingerprint = dataset_fingerprint(examples, model_name)
+        self.folder = Path(root) / f"{self.fingerprint}-eagle3"
         # EAGLE-1 reads a complete EAGLE-3 store when there is one (its "last" rows are all it needs).
         if not self.want_fused and self._todo():
-            self.folder = root / f"{fingerprint}-final"
+            self.folder = Path(root) / f"{self.fingerprint}-final"
 
     def _shard_path(self, k: int) -> Path:
         return self.folder / f"shard-{k:05d}.safetensors"
@@ -116,7 +118,7 @@ class FeatureStore:
         """The examples whose shards are still to be computed."""
         return [ex for k in self._todo() for ex in self.examples[k * self.SHARD_EXAMPLES : (k + 1) * self.SHARD_EXAMPLES]]
 
-    def build(self, bar, batch_size: int = 8) -> None:
+    def build(self, bar: tqdm, batch_size: int = 8) -> None:
         """Compute the missing shards; a shard file appears only when complete, so an interrupted build resumes."""
         todo = self._todo()
         if not todo:
