@@ -175,13 +175,13 @@ def entropy_floor(trainer: Trainer, batch) -> float:
     from eaglespec.train.losses import shift_left, step_mask
 
     head, target = trainer.unwrapped(), trainer.target
-    steps = trainer.config.ttt_steps if trainer.config.kind == "eagle3" else 1
+    steps = trainer.config.unroll_steps()
     vocab = head.to_target_ids(torch.arange(head.config.draft_vocab_size)) if trainer.config.kind == "eagle3" else None
     floor = 0.0
     for j in range(steps):
         logits = target.logits_from_last(shift_left(batch.last, 1 + j)[step_mask(batch, j)], vocab)
         entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1).mean()
-        floor += (0.8**j if trainer.config.kind == "eagle3" else trainer.config.ce_weight) * float(entropy)
+        floor += 0.8**j * (1.0 if trainer.config.kind == "eagle3" else trainer.config.ce_weight) * float(entropy)
     return floor
 
 
@@ -505,3 +505,40 @@ def test_eagle3_loss_is_the_weighted_sum_of_per_step_soft_cross_entropies(tmp_pa
             assert got.parts[f"ce{j}"] == pytest.approx(ce, rel=1e-5)
             want += 0.8**j * ce
     assert float(got.total) == pytest.approx(want, rel=1e-5)
+
+
+def test_eagle1_training_time_test_scores_each_step_on_its_own_fed_back_output(tmp_path, data_file, target_model, tok):
+    """EAGLE-1 with --ttt-steps k: step j reads the head's own step j-1 feature and is scored (SmoothL1 + 0.1 soft
+    CE) against the target's feature and distribution at t+1+j, weighted 0.8^j; one step is the paper's loss."""
+    import torch.nn.functional as F
+
+    from eaglespec.train.losses import next_embeds, shift_left, soft_cross_entropy, step_mask
+
+    one = Trainer(config(tmp_path, data_file, "eagle1", ttt_steps=None, noise=0.0), target_model, tok, progress=False)
+    three = Trainer(config(tmp_path, data_file, "eagle1", ttt_steps=3, noise=0.0, max_steps=25), target_model, tok,
+                    progress=False)
+    assert one.config.unroll_steps() == 1 and three.config.unroll_steps() == 3
+    three.unwrapped().load_state_dict(one.unwrapped().state_dict())
+    head, batch = one.unwrapped(), one.train_source.batch(list(range(6)))
+    with torch.no_grad():
+        got1, got3 = one.loss(batch), three.loss(batch)
+        feats = batch.features.float()
+        hidden, want, first = feats, 0.0, None
+        for j in range(3):
+            out = head(hidden, next_embeds(target_model.get_input_embeddings(), batch), j + 1)[j]
+            valid = step_mask(batch, j)
+            true = shift_left(batch.last, 1 + j)[valid].float()
+            reg = float(F.smooth_l1_loss(out[valid], true))
+            ce = float(soft_cross_entropy(target_model.lm_head(out[valid]), torch.softmax(target_model.lm_head(true), -1)))
+            want += 0.8**j * (reg + 0.1 * ce)
+            first = want if j == 0 else first
+            suffix = str(j) if j else ""
+            assert got3.parts[f"regression{suffix}"] == pytest.approx(reg, rel=1e-5)
+            assert got3.parts[f"soft_ce{suffix}"] == pytest.approx(ce, rel=1e-5)
+    assert float(got1.total) == pytest.approx(first, rel=1e-5) and set(got1.parts) == {"regression", "soft_ce"}
+    assert float(got3.total) == pytest.approx(want, rel=1e-5)
+    # Training lowers the deepest step's loss too (it learns to read its own features).
+    before = got3.parts["regression2"]
+    three.train()
+    with torch.no_grad():
+        assert three.loss(batch).parts["regression2"] < before

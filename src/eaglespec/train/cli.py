@@ -167,7 +167,10 @@ def register_head(sub) -> None:
     h.add_argument("--ce-vocab", choices=["full", "draft"], default="full",
                    help="EAGLE-1 soft cross-entropy over the full vocabulary (the paper) or over the --draft-vocab-size "
                         "most frequent answer tokens it drafts from (several times cheaper on a CPU)")
-    h.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 training-time test depth")
+    h.add_argument("--ttt-steps", type=int, default=None,
+                   help="training-time test: unrolled draft steps per slot, step j feeding back the head's own output, "
+                        "weighted 0.8^j (default 7 for EAGLE-3 as in its paper; 1 for EAGLE-1, the EAGLE-1 paper's "
+                        "loss, where 2-3 trains the deeper draft steps)")
     h.add_argument("--eval-steps", type=int, default=5, help="held-out accuracy at draft steps 1..N")
     h.add_argument("--eval-size", type=int, default=32, help="held-out conversations")
     h.add_argument("--eval-every", type=int, default=200)

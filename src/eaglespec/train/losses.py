@@ -1,5 +1,6 @@
-"""Training objectives of EAGLE-1 (feature regression + soft cross-entropy) and EAGLE-3 (training-time test over
-k unrolled steps, weighted 0.8^j, against the target distribution restricted to the draft vocabulary).
+"""Training objectives of EAGLE-1 (feature regression + soft cross-entropy; optionally over k unrolled steps) and
+EAGLE-3 (training-time test over k unrolled steps, weighted 0.8^j, against the target distribution restricted to the
+draft vocabulary).
 
 Slot conventions (see `DraftHead.unroll`): step j of slot t predicts token x_{t+2+j}; the target's matching
 distribution is its logits at position t+1+j and the true next feature is f_{t+1+j}.
@@ -53,24 +54,35 @@ def next_embeds(embed: nn.Module, batch: Batch) -> Tensor:
 
 
 def eagle1_loss(head: DraftHead, target: TargetModel, batch: Batch, noise: float, generator: torch.Generator,
-                feature_weight: float = 1.0, ce_weight: float = 0.1, model: nn.Module | None = None) -> LossParts:
+                feature_weight: float = 1.0, ce_weight: float = 0.1, model: nn.Module | None = None,
+                steps: int = 1) -> LossParts:
     """SmoothL1(predicted f_{t+1}, true f_{t+1}) + ce_weight * soft CE(target p_{t+1}, head's p) on assistant slots.
     U(-noise, noise) is added to the input features. `model` is `head` as wrapped for distributed training. A head
-    with a draft vocabulary (`set_draft_vocab`) is scored over it, against the target renormalised over it."""
+    with a draft vocabulary (`set_draft_vocab`) is scored over it, against the target renormalised over it.
+
+    `steps` > 1 adds EAGLE-3's training-time test to this objective: step j feeds back the head's own predicted
+    feature of step j-1 (what a depth-j draft node reads) and is scored the same way against f_{t+1+j} and
+    p_{t+1+j}, weighted 0.8^j. steps = 1 is the EAGLE-1 paper's loss."""
     features = batch.features.float()
     if noise:
         u = torch.rand(features.shape, generator=generator).to(features.device)
         features = features + (u * 2 - 1) * noise
-    out = (model or head)(features, next_embeds(target.embed_tokens, batch), 1)[0]  # [B, T, d]
-    valid = step_mask(batch, 0)
-    pred = out[valid]  # [N, d]
-    true_next = shift_left(batch.last, 1)[valid].float()  # [N, d]
-    with torch.no_grad():
-        p = torch.softmax(target.logits_from_last(true_next, getattr(head, "vocab_ids", None)), dim=-1)  # [N, Vd]
-    reg = F.smooth_l1_loss(pred.float(), true_next) if pred.shape[0] else pred.sum() * 0.0
-    ce = soft_cross_entropy(head.logits(pred, target.lm_head), p)
-    total = feature_weight * reg + ce_weight * ce
-    return LossParts(total, {"regression": float(reg.detach()), "soft_ce": float(ce.detach())}, int(valid.sum()))
+    outs = (model or head)(features, next_embeds(target.embed_tokens, batch), steps)  # steps x [B, T, d]
+    vocab_ids = getattr(head, "vocab_ids", None)
+    total = features.new_zeros(())
+    parts: dict[str, float] = {}
+    for j, out in enumerate(outs):
+        valid = step_mask(batch, j)  # [B, T]
+        pred = out[valid]  # [N, d]
+        true_next = shift_left(batch.last, 1 + j)[valid].float()  # [N, d]
+        with torch.no_grad():
+            p = torch.softmax(target.logits_from_last(true_next, vocab_ids), dim=-1)  # [N, Vd]
+        reg = F.smooth_l1_loss(pred.float(), true_next) if pred.shape[0] else pred.sum() * 0.0
+        ce = soft_cross_entropy(head.logits(pred, target.lm_head), p)
+        total = total + STEP_DECAY**j * (feature_weight * reg + ce_weight * ce)
+        suffix = str(j) if j else ""
+        parts[f"regression{suffix}"], parts[f"soft_ce{suffix}"] = float(reg.detach()), float(ce.detach())
+    return LossParts(total, parts, int(step_mask(batch, 0).sum()))
 
 
 def eagle3_loss(head: DraftHead, target: TargetModel, batch: Batch, steps: int, model: nn.Module | None = None) -> LossParts:

@@ -55,7 +55,7 @@ class TrainConfig:
     ce_weight: float = 0.1
     ce_vocab: str = "full"  # EAGLE-1 soft CE over the "full" vocabulary or the "draft" subset (draft_vocab_size)
     draft_vocab_size: int = 8192  # EAGLE-3
-    ttt_steps: int = 7  # EAGLE-3 training-time test depth
+    ttt_steps: int | None = None  # training-time test depth; None = 7 for EAGLE-3 (the paper), 1 for EAGLE-1
     eval_steps: int = 5  # accuracy reported at steps 1..eval_steps
     eval_size: int = 32  # held-out conversations
     eval_every: int = 200
@@ -68,6 +68,10 @@ class TrainConfig:
     time_budget_min: float | None = None  # stop training (and write the head) after this many minutes
     init_head: str | None = None  # start from this head's weights (ours or official layout) instead of random ones
     extra: dict = field(default_factory=dict)
+
+    def unroll_steps(self) -> int:
+        """Draft steps each training slot is unrolled over (EAGLE-1's paper objective is one step)."""
+        return self.ttt_steps if self.ttt_steps is not None else (7 if self.kind == "eagle3" else 1)
 
     def input_noise(self) -> float:
         return self.noise if self.noise is not None else (0.1 if self.kind == "eagle1" else 0.0)
@@ -142,7 +146,7 @@ class Trainer:
 
         if config.kind not in ("eagle1", "eagle3"):
             raise EagleSpecError(f"unknown head kind '{config.kind}' (use eagle1 or eagle3)")
-        if config.batch_size < 1 or config.ttt_steps < 1 or config.eval_steps < 1:
+        if config.batch_size < 1 or config.unroll_steps() < 1 or config.eval_steps < 1:
             raise EagleSpecError("batch size, ttt steps and eval steps must be at least 1")
         if config.ce_vocab not in ("full", "draft"):
             raise EagleSpecError(f"--ce-vocab must be full or draft, got '{config.ce_vocab}'")
@@ -311,7 +315,12 @@ class Trainer:
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"'{config_path}' is not valid JSON ({exc})") from exc
         defaults = {f.name: f.default for f in fields(TrainConfig)}  # checkpoints from before a key existed
-        changed = [k for k in RESUME_KEYS if saved.get(k, defaults.get(k)) != asdict(self.config).get(k)]
+        saved = {k: saved.get(k, defaults.get(k)) for k in RESUME_KEYS}
+        current = asdict(self.config)
+        # The unrolled depth in effect, not how it was given (None = the kind's default).
+        saved["ttt_steps"] = TrainConfig(kind=saved["kind"], data=[], out="", ttt_steps=saved["ttt_steps"]).unroll_steps()
+        current["ttt_steps"] = self.config.unroll_steps()
+        changed = [k for k in RESUME_KEYS if saved[k] != current.get(k)]
         if changed:
             raise CheckpointError(
                 f"cannot resume from '{folder}': these settings differ from the checkpoint's: {', '.join(changed)}")
@@ -342,8 +351,8 @@ class Trainer:
         head = self.unwrapped()
         if c.kind == "eagle1":
             return eagle1_loss(head, self.target, batch, c.input_noise(), self.generator, c.feature_weight, c.ce_weight,
-                               model=self.head)
-        return eagle3_loss(head, self.target, batch, c.ttt_steps, model=self.head)
+                               model=self.head, steps=c.unroll_steps())
+        return eagle3_loss(head, self.target, batch, c.unroll_steps(), model=self.head)
 
     def train(self, stop_after: int | None = None) -> DraftHead:
         """Train until total_steps (or `stop_after` more steps, for tests that simulate an interruption)."""
