@@ -52,3 +52,20 @@ for head in runs/s6/eagle1/head runs/s6/eagle3/head; do
 done
 cp runs/s6/eagle3/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle3/
 cp runs/s6/eagle1/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle1/
+
+# 7. Session 8: fresh self-distilled data and the EAGLE-1 head trained over 3 unrolled draft steps (--ttt-steps 3:
+#    steps 2 and 3 read the head's own features, as deeper tree nodes do). Answers to ShareGPT first turns from
+#    conversation 7700 on, in bfloat16 with 64 prompts per batch (about 4x the float32 32-prompt rate; the features
+#    are recomputed in float32 below), stopped after 50 minutes at 2,368 answers; the 2,000 shortest-prompt ones train.
+mkdir -p runs/s8
+eaglespec train data --out runs/s8/distill.jsonl --offset 7700 --limit 6000 --batch-size 64 --max-new-tokens 256 \
+  --threads 2 --dtype bfloat16
+head -n 2000 runs/s8/distill.jsonl > runs/s8/train.jsonl
+eaglespec train head --kind eagle1 --out runs/s8/eagle1 --ce-vocab draft --ttt-steps 3 \
+  --init-head src/eaglespec/shipped_heads/smollm2-135m-eagle1 --data runs/s8/train.jsonl --max-length 512 \
+  --eval-size 16 --cache-features runs/s8/feat1 --eval-steps 5 --batch-size 4 --lr 3e-4 --warmup-steps 30 \
+  --epochs 100 --eval-every 400 --save-every 400 --save-dtype bfloat16 --threads 2 --draft-vocab-size 8192 \
+  --time-budget 30
+eaglespec train eval --head runs/s8/eagle1/head --data runs/s4/heldout.jsonl --max-length 640 --threads 2
+cp runs/s8/eagle1/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle1/
+# (Session 8 shipped this EAGLE-1 head; the EAGLE-3 head is session 6's.)
