@@ -1,4 +1,4 @@
-"""Float32 linear layers pre-packed for oneDNN (eaglespec.packed) and their use in the fast path and the drafter."""
+"""Linear layers pre-packed for oneDNN (eaglespec.packed) and their use in the fast path and the drafter."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ from eaglespec import packed
 from eaglespec.errors import EagleSpecError
 from eaglespec.fastpath import FastTarget, make_target
 from eaglespec.heads import HeadConfig, build_head
+from eaglespec.models import cpu_has_native_bf16
 from eaglespec.target import TargetModel
 
 from conftest import VOCAB, make_model
@@ -38,7 +39,38 @@ def test_each_row_is_computed_the_same_whatever_the_number_of_rows():
 
 def test_availability_follows_dtype_and_device():
     assert packed.available(torch.float32, "cpu")
-    assert not packed.available(torch.bfloat16, "cpu") and not packed.available(torch.float32, "meta")
+    assert not packed.available(torch.float16, "cpu") and not packed.available(torch.float32, "meta")
+    assert not packed.available(torch.bfloat16, "meta")
+    if not cpu_has_native_bf16():  # emulated bfloat16 products would be slower than unpacked ones
+        assert not packed.available(torch.bfloat16, "cpu")
+
+
+needs_bf16 = pytest.mark.skipif(not packed.available(torch.bfloat16, "cpu"),
+                                reason="packing bfloat16 needs a CPU with native bfloat16 (AVX-512 BF16 or AMX)")
+
+
+@needs_bf16
+def test_packed_bfloat16_equals_f_linear_and_is_row_invariant():
+    """Packing a bfloat16 weight changes the speed, not the numbers: the same bits as `F.linear`, for any rows."""
+    torch.manual_seed(0)
+    w, b = torch.randn(160, 128).bfloat16(), torch.randn(160).bfloat16()
+    x = torch.randn(48, 128).bfloat16()
+    layer = packed.pack(w, b)
+    assert layer.weight.dtype == torch.bfloat16
+    full = layer(x)
+    assert full.dtype == torch.bfloat16 and torch.equal(full, F.linear(x, w, b))
+    for rows in (1, 3, 8, 16):
+        assert torch.equal(torch.cat([layer(x[i:i + rows]) for i in range(0, 48, rows)]), full)
+
+
+@needs_bf16
+def test_bfloat16_target_is_packed_and_matches_the_unpacked_one():
+    model = make_model("llama").to(torch.bfloat16)
+    prompt = torch.tensor(PROMPTS[0])
+    on, off = FastTarget(model, "final"), FastTarget(model, "final", pack=False)
+    assert on.pack and not off.pack
+    a, b = on.forward(prompt), off.forward(prompt)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.features, b.features)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

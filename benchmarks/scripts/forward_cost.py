@@ -1,7 +1,7 @@
 """Fast-path target forward time vs number of tokens on top of a short cached prefix, and an op profile.
 
-    python benchmarks/scripts/forward_cost.py [--quantize int8|int4] [--dtype float32] [--threads 2]
-        [--batched-attention]
+    python benchmarks/scripts/forward_cost.py [--quantize int8|int4] [--dtype float32|bfloat16] [--threads 2]
+        [--batched-attention] [--no-pack]
 
 Each forward is a decode step as the decoding loop makes it (positions and a causal tree mask). With --quantize,
 decode steps attend row by row (bit-exact, see eaglespec/fastpath.py); --batched-attention times the single
@@ -23,16 +23,21 @@ p.add_argument("--dtype", default="float32")
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--profile", action="store_true")
 p.add_argument("--batched-attention", action="store_true", help="quantized: one batched attention call per layer")
+p.add_argument("--no-pack", action="store_true", help="leave the weights unpacked (F.linear), to see what packing gains")
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 model, tokenizer = load_target("smollm2-135m", dtype=args.dtype)
-target = FastTarget(model, None, quantize=args.quantize)
+target = FastTarget(model, None, quantize=args.quantize, pack=False if args.no_pack else None)
 target.forward(torch.tensor(tokenizer("Write a poem about the sea and the sky and the stars. " * 8)["input_ids"]))
 target.commit()
 if args.batched_attention:
     target.row_invariant = False
-print(f"dtype {args.dtype}, quantize {args.quantize}, {args.threads} threads, {target.cache_len} cached tokens, "
-      f"row-invariant attention {target.row_invariant}")
+weight_mb = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed" not in n) / 1e6
+if model.config.tie_word_embeddings:
+    weight_mb += model.lm_head.weight.numel() * model.lm_head.weight.element_size() / 1e6
+print(f"dtype {args.dtype}, quantize {args.quantize}, packed {target.pack}, {args.threads} threads, "
+      f"{target.cache_len} cached tokens, row-invariant attention {target.row_invariant}, "
+      f"{weight_mb:.0f} MB of weights read per forward (unquantized)")
 c = target.cache_len
 for n in [1, 2, 4, 8, 16, 32, 64]:
     tokens = torch.randint(0, 1000, (n,))
@@ -42,7 +47,8 @@ for n in [1, 2, 4, 8, 16, 32, 64]:
         target.forward(tokens, torch.arange(c, c + n), torch.ones(n, n, dtype=torch.bool).tril())
         target.commit(torch.tensor([], dtype=torch.long))  # keep nothing: the prefix stays as it was
         times.append(time.perf_counter() - start)
-    print(f"forward {n:2d} tokens: median {statistics.median(times[2:]) * 1000:.1f} ms")
+    ms = statistics.median(times[2:]) * 1000
+    print(f"forward {n:2d} tokens: median {ms:.1f} ms ({weight_mb / ms:.1f} GB/s of weights)")
 if args.profile:
     with torch.profiler.profile() as prof:
         for _ in range(5):

@@ -7,8 +7,9 @@ Weights are read from the transformers model (nothing is copied from its source)
 layers are kept as int8 / int4 weight-only matrices (`eaglespec.quant`). It is checked token for token against the
 generic `TargetModel` path in tests/test_fastpath.py.
 
-Float32 weights are pre-packed for oneDNN (`eaglespec.packed`): on a CPU a product of 2-16 rows then costs about
-what one row costs, instead of twice as much, which is what makes verifying a draft tree cheap.
+Float32 weights (and bfloat16 ones on a CPU with native bfloat16 arithmetic) are pre-packed for oneDNN
+(`eaglespec.packed`): on a CPU a product of 2-16 rows then costs about what one row costs, instead of twice as
+much, which is what makes verifying a draft tree cheap.
 
 Row-invariant decode steps. Speculative decoding is lossless only if a token's logits in a multi-token verify pass
 equal those of a one-token step. The packed float32 layers and the int8 / int4 weight-only kernels
@@ -77,13 +78,14 @@ class FastTarget(TargetModel):
     def __init__(self, model, feature_kind: str | None = "final", initial_capacity: int = 1024,
                  quantize: str | None = None, pack: bool | None = None, row_invariant: bool | None = None):
         """`quantize`: None (the model's own weights), "int8" or "int4" weight-only (see eaglespec.quant).
-        `pack`: float32 weights pre-packed for oneDNN (eaglespec.packed); None = wherever available.
+        `pack`: weights pre-packed for oneDNN (eaglespec.packed); None = wherever available.
         `row_invariant`: decode steps attend row by row (module docstring); None = when quantized."""
         super().__init__(model, feature_kind)
         self.quantize = check_mode(quantize, self.device)
         can_pack = self.quantize is None and packed.available(self.dtype, self.device)
         if pack and not can_pack:
-            raise EagleSpecError("pack=True needs float32 weights on a CPU with oneDNN, and no --quantize")
+            raise EagleSpecError("pack=True needs float32 weights (or bfloat16 on a CPU with native bfloat16) on a CPU "
+                                 "with oneDNN, and no --quantize")
         self.pack = can_pack if pack is None else bool(pack)
         self.row_invariant = self.quantize is not None if row_invariant is None else bool(row_invariant)
         c = self.config
@@ -162,8 +164,9 @@ class FastTarget(TargetModel):
         dtype = x.dtype
         if dtype == torch.float32:  # one fused kernel; the same numbers as the three-step form below
             return F.rms_norm(x, x.shape[-1:], weight, self.eps)
-        x = x.float()
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        # transformers' form, normalise in float32, round, then scale: x * rsqrt(mean(x^2) + eps) is one fused
+        # kernel with the same bits as the three-step form (~1 ms less per bfloat16 step over 30 layers).
+        return weight * F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(dtype)
 
     @staticmethod
     def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -248,11 +251,10 @@ class FastTarget(TargetModel):
             if i in feature_layers:
                 saved.append(x)
             qkv = layer.qkv(self._norm(x, layer.input_norm))  # [n, (H + 2Hkv) hd]
-            q, k, v = qkv.view(n, H + 2 * Hkv, hd).transpose(0, 1).split([H, Hkv, Hkv], dim=0)  # [heads, n, hd]
-            k = self._rotate(k, cos, sin)
+            qk, v = qkv.view(n, H + 2 * Hkv, hd).transpose(0, 1).split([H + Hkv, Hkv], dim=0)  # [heads, n, hd]
+            q, k = self._rotate(qk, cos, sin).split([H, Hkv], dim=0)  # one RoPE call for queries and keys
             self.keys[i, :, c : c + n] = k
             self.values[i, :, c : c + n] = v
-            q = self._rotate(q, cos, sin)
             if rows is None:
                 attn = F.scaled_dot_product_attention(
                     q[None], self.keys[i, :, : c + n][None], self.values[i, :, : c + n][None],

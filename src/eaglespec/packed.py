@@ -1,4 +1,5 @@
-"""Float32 linear layers with their weights pre-packed for oneDNN: the CPU fast path's default for float32 targets.
+"""Linear layers with their weights pre-packed for oneDNN: the CPU fast path's default for float32 targets, and for
+bfloat16 ones on CPUs that compute in bfloat16 natively (AVX-512 BF16 or AMX).
 
 `F.linear` on a float32 CPU tensor goes to MKL, which repacks the weight matrix on every call with more than one
 row. For a small model that is bound by reading its weights, this makes a 2-row product cost about twice a 1-row
@@ -26,16 +27,23 @@ from torch import Tensor, nn
 
 @functools.cache  # called on every draft step (heads/eagle1.py): answer once per dtype and device
 def available(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """True where packing applies: float32 weights on a CPU whose torch build has oneDNN (mkldnn)."""
-    return (dtype == torch.float32 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """True where packing applies: float32 weights, or bfloat16 ones on a CPU with native bfloat16 arithmetic, on a
+    CPU whose torch build has oneDNN (mkldnn)."""
+    if not (torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    if dtype == torch.bfloat16:
+        from .models import cpu_has_native_bf16
+
+        return cpu_has_native_bf16() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32
 
 
 @dataclass
 class PackedLinear:
     """y = x W^T (+ b), W held in oneDNN's blocked layout. Call it like `F.linear(x, W, b)`: x [..., K] -> [..., N]."""
 
-    weight: Tensor  # [N, K] float32, mkldnn layout
+    weight: Tensor  # [N, K] float32 or bfloat16, mkldnn layout
     bias: Tensor | None  # [N]
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -43,10 +51,12 @@ class PackedLinear:
 
 
 def pack(weight: Tensor, bias: Tensor | None = None) -> PackedLinear:
-    """Reorder a float32 [N, K] weight once into oneDNN's layout (a copy; the input is left as it is)."""
-    w = weight.detach().float().contiguous()
+    """Reorder a [N, K] weight once into oneDNN's layout (a copy; the input is left as it is). bfloat16 stays
+    bfloat16 (call it with bfloat16 inputs); any other dtype is packed as float32."""
+    dtype = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
+    w = weight.detach().to(dtype).contiguous()
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-    return PackedLinear(packed, None if bias is None else bias.detach().float().contiguous())
+    return PackedLinear(packed, None if bias is None else bias.detach().to(dtype).contiguous())
 
 
 class PackedLinearModule(nn.Module):
@@ -62,8 +72,8 @@ class PackedLinearModule(nn.Module):
 
 
 def pack_linears(module: nn.Module) -> nn.Module:
-    """A copy of `module` for inference in which every float32 CPU `nn.Linear` is packed (the rest is as it was).
-    The draft heads use it: a draft step multiplies 1-10 rows, where unpacked float32 products cost most."""
+    """A copy of `module` for inference in which every CPU `nn.Linear` that `available` allows is packed (the rest
+    is as it was). The draft heads use it: a draft step multiplies 1-10 rows, where unpacked products cost most."""
     out = copy.deepcopy(module)
     for parent in out.modules():
         for name, child in list(parent.named_children()):
