@@ -48,7 +48,7 @@ CALIBRATION_TOP_K = 8
 TREE_SIZES = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # total_tokens candidates (root included)
 DEPTHS = tuple(range(1, CALIBRATION_DEPTH + 1))
 TOP_KS = (1, 2, 3, 4, 6, 8)
-VERSION = 2  # bump when the calibration changes meaning
+VERSION = 3  # bump when the calibration changes meaning (3: bfloat16 packed, float32 attention)
 
 
 @dataclass
