@@ -64,6 +64,18 @@ def test_packed_bfloat16_equals_f_linear_and_is_row_invariant():
 
 
 @needs_bf16
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_packed_bfloat16_target_with_row_invariant_attention_is_bit_exact(arch):
+    """bfloat16: packed products, float32 attention over a float32 cache, row by row: bit-identical tree rows."""
+    target = make_target(make_model(arch).to(torch.bfloat16), "final")
+    assert isinstance(target, FastTarget) and target.pack and target.attention_dtype == torch.float32
+    assert target.keys.dtype == torch.float32
+    target.row_invariant = True
+    tree, steps, chain = tree_rows_and_steps(target, torch.tensor(PROMPTS[1]), [7, 3, 9])
+    assert torch.equal(tree, steps) and torch.equal(chain, steps)
+
+
+@needs_bf16
 def test_bfloat16_target_is_packed_and_matches_the_unpacked_one():
     model = make_model("llama").to(torch.bfloat16)
     prompt = torch.tensor(PROMPTS[0])

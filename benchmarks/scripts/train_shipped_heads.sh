@@ -69,3 +69,21 @@ eaglespec train head --kind eagle1 --out runs/s8/eagle1 --ce-vocab draft --ttt-s
 eaglespec train eval --head runs/s8/eagle1/head --data runs/s4/heldout.jsonl --max-length 640 --threads 2
 cp runs/s8/eagle1/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle1/
 # (Session 8 shipped this EAGLE-1 head; the EAGLE-3 head is session 6's.)
+
+# 8. Session 9: the same self-distillation run resumed to its end (3,328 answers to ShareGPT first turns from
+#    conversation 7700; `train data` appends and skips what the file already holds), and the EAGLE-1 head fine-tuned
+#    35 more minutes on all of them (the first 2,000 reuse the cached features; a feature pass of ~10 minutes adds
+#    the other 1,328) at a lower peak rate. Held-out top-1 at draft steps 1-5 went from 0.658/0.590/0.582/0.558/0.550
+#    to 0.675/0.631/0.613/0.590/0.581; tau with the 60-node EAGLE-2 tree on the 80 MT-bench first turns 2.94 -> 3.04.
+mkdir -p runs/s9
+eaglespec train data --out runs/s8/distill.jsonl --offset 7700 --limit 6000 --batch-size 64 --max-new-tokens 256 \
+  --threads 2 --dtype bfloat16
+tail -n +2001 runs/s8/distill.jsonl > runs/s9/extra.jsonl
+eaglespec train head --kind eagle1 --out runs/s9/eagle1 --ce-vocab draft --ttt-steps 3 \
+  --init-head src/eaglespec/shipped_heads/smollm2-135m-eagle1 --data runs/s8/train.jsonl runs/s9/extra.jsonl \
+  --max-length 512 --eval-size 16 --cache-features runs/s8/feat1 --eval-steps 5 --batch-size 4 --lr 2e-4 \
+  --warmup-steps 30 --epochs 100 --eval-every 400 --save-every 400 --save-dtype bfloat16 --threads 2 \
+  --draft-vocab-size 8192 --time-budget 35
+eaglespec train eval --head runs/s9/eagle1/head --data runs/s4/heldout.jsonl --max-length 640 --threads 2
+cp runs/s9/eagle1/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle1/
+# (Session 9 shipped this EAGLE-1 head; the EAGLE-3 head is session 6's.)
