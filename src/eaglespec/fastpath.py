@@ -76,10 +76,13 @@ class FastTarget(TargetModel):
     """`TargetModel` with its own forward for Llama-style models. Construct through `make_target`."""
 
     def __init__(self, model, feature_kind: str | None = "final", initial_capacity: int = 1024,
-                 quantize: str | None = None, pack: bool | None = None, row_invariant: bool | None = None):
+                 quantize: str | None = None, pack: bool | None = None, row_invariant: bool | None = None,
+                 attention_dtype: torch.dtype | None = None):
         """`quantize`: None (the model's own weights), "int8" or "int4" weight-only (see eaglespec.quant).
         `pack`: weights pre-packed for oneDNN (eaglespec.packed); None = wherever available.
-        `row_invariant`: decode steps attend row by row (module docstring); None = when quantized."""
+        `row_invariant`: decode steps attend row by row (module docstring); None = when quantized.
+        `attention_dtype`: of the KV cache and the attention arithmetic; None = float32 for a half-precision target
+        on a CPU, the model's dtype elsewhere."""
         super().__init__(model, feature_kind)
         self.quantize = check_mode(quantize, self.device)
         can_pack = self.quantize is None and packed.available(self.dtype, self.device)
@@ -93,7 +96,7 @@ class FastTarget(TargetModel):
         # attention a third of a bfloat16 decode step. Keys and values are rounded to the model dtype first (as the
         # model computes them), so the cache holds the same values; only the attention arithmetic is wider.
         half = self.dtype in (torch.bfloat16, torch.float16)
-        self.attention_dtype = torch.float32 if half and self.device.type == "cpu" else self.dtype
+        self.attention_dtype = attention_dtype or (torch.float32 if half and self.device.type == "cpu" else self.dtype)
         c = self.config
         self.n_heads = c.num_attention_heads
         self.n_kv = getattr(c, "num_key_value_heads", None) or self.n_heads
