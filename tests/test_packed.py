@@ -66,12 +66,16 @@ def test_packed_bfloat16_equals_f_linear_and_is_row_invariant():
 @needs_bf16
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_packed_bfloat16_target_with_row_invariant_attention_is_bit_exact(arch):
-    """bfloat16: packed products, float32 attention over a float32 cache, row by row: bit-identical tree rows."""
-    target = make_target(make_model(arch).to(torch.bfloat16), "final")
+    """bfloat16: packed products, float32 attention over a float32 cache, row by row: bit-identical tree rows.
+    A 300-token prefix and head size 64: there the batched attention call differs from one-token steps in bfloat16
+    (by ~0.016 of a logit on this model with torch 2.13), which is what row-by-row attention removes."""
+    model = make_model(arch, hidden_size=256, max_position_embeddings=1024).to(torch.bfloat16)
+    target = make_target(model, "final")
     assert isinstance(target, FastTarget) and target.pack and target.attention_dtype == torch.float32
     assert target.keys.dtype == torch.float32
     target.row_invariant = True
-    tree, steps, chain = tree_rows_and_steps(target, torch.tensor(PROMPTS[1]), [7, 3, 9])
+    prompt = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(0))
+    tree, steps, chain = tree_rows_and_steps(target, prompt, [7, 3, 9])
     assert torch.equal(tree, steps) and torch.equal(chain, steps)
 
 
@@ -184,3 +188,32 @@ def test_full_vocabulary_eagle1_drafter_shares_the_targets_packed_lm_head():
     with torch.inference_mode():
         assert drafter_head.logits(hidden, engine.target.lm_head).shape == (3, 10)
     assert drafter_head._rows[1] is not engine.target.logits_head
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_engine_gives_plain_decodings_tokens(dtype):
+    """`exact=True` (--exact): row-by-row verify passes, so a random head's trees reproduce plain decoding."""
+    if not packed.available(dtype, "cpu"):
+        pytest.skip("bit-exact products need packed weights: bfloat16 ones need a CPU with native bfloat16")
+    from eaglespec import Engine, TreeSettings
+    from conftest import TinyTokenizer
+    from test_engine import random_head
+
+    model = make_model("qwen2").to(dtype)
+    head = random_head(model, "eagle1").to(dtype)
+    engine = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2", exact=True,
+                               tree=TreeSettings(total_tokens=12, depth=4, top_k=3))
+    plain = Engine.from_model(model, TinyTokenizer(), method="vanilla")
+    assert engine.target.row_invariant and not plain.target.row_invariant
+    for prompt in PROMPTS:
+        assert engine.generate(prompt, max_new_tokens=24).tokens == plain.generate(prompt, max_new_tokens=24).tokens
+
+
+def test_exact_needs_the_fast_path():
+    from eaglespec import Engine
+    from conftest import TinyTokenizer
+
+    with pytest.raises(EagleSpecError, match="--exact needs the fast path"):
+        Engine.from_model(make_model("llama"), TinyTokenizer(), method="vanilla", backend="hf", exact=True)
+    with pytest.raises(EagleSpecError, match="--exact needs the fast path"):
+        Engine.from_model(make_model("gemma3"), TinyTokenizer(), method="vanilla", exact=True)

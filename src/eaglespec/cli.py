@@ -47,6 +47,10 @@ def model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                    help="CPU fast path: int8 / int4 weight-only target (2-4x fewer bytes per step; changes the "
                         "model slightly, like a Q8_0 / Q4_1 GGUF; output stays lossless w.r.t. it). Default none")
+    g.add_argument("--exact", action="store_true",
+                   help="fast path: verify passes attend row by row, so speculative output is bit-identical to plain "
+                        "decoding in bfloat16 too (costs one attention call per tree token; float32 and --quantize "
+                        "need it less / always have it)")
     g.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's)")
     g.add_argument("--tree", default="auto", choices=["auto", "fixed"],
                    help="auto = choose total_tokens / depth / top_k for this machine and head (measured once, "
@@ -112,7 +116,7 @@ def build_engine(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     engine = Engine(model=args.model, head=args.head, method=args.method, dtype=args.dtype, tree=tree_from_args(args),
                     draft_model=args.draft_model, backend=args.backend, draft_vocab=args.draft_vocab,
-                    quantize=args.quantize)
+                    quantize=args.quantize, exact=args.exact)
     if engine.notice:
         print(f"note: {engine.notice}", file=sys.stderr)
     return engine

@@ -291,16 +291,22 @@ class FastTarget(TargetModel):
 
 
 def make_target(model, feature_kind: str | None = "final", backend: str = "auto",
-                quantize: str | None = None) -> TargetModel:
+                quantize: str | None = None, exact: bool = False) -> TargetModel:
     """`backend`: "auto" (fast path when the architecture is supported), "fast" (required) or "hf".
-    `quantize` ("int8" / "int4" weight-only, CPU) needs the fast path."""
+    `quantize` ("int8" / "int4" weight-only, CPU) needs the fast path. `exact`: decode steps attend row by row, so
+    a verified row is bit-identical to a one-token step in any dtype (fast path only; quantized targets always are)."""
     if backend not in ("auto", "fast", "hf"):
         raise EagleSpecError(f"unknown backend '{backend}'; use auto, fast or hf")
+    if exact and (backend == "hf" or not supports(model)):
+        raise EagleSpecError(f"--exact needs the fast path (Llama / Qwen2 models, --backend auto or fast); this is "
+                             f"'{model.config.model_type}' with backend {backend}")
     if check_mode(quantize):
         if backend == "hf" or not supports(model):
             raise EagleSpecError(f"--quantize {quantize} needs the fast path (Llama / Qwen2 models, --backend "
                                  f"auto or fast); this is '{model.config.model_type}' with backend {backend}")
         return FastTarget(model, feature_kind, quantize=quantize)
+    if exact:
+        return FastTarget(model, feature_kind, row_invariant=True)
     if backend == "hf" or (backend == "auto" and not supports(model)):
         return TargetModel(model, feature_kind)
     if not supports(model):

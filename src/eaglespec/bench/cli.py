@@ -117,7 +117,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         head3_dir=head3, draft_model=draft, dtype=parse_dtype(args.dtype),
                         threads=torch.get_num_threads(), eos_ids=eos_ids_of(model, tokenizer),
                         backend=getattr(args, "backend", "auto"), draft_vocab=args.draft_vocab,
-                        quantize=None if args.quantize == "none" else args.quantize)
+                        quantize=None if args.quantize == "none" else args.quantize, exact=args.exact)
     if requested.strip() == "all":
         skipped = [(n, unavailable_reason(n, ctx)) for n in names]
         for n, reason in skipped:
@@ -142,7 +142,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup, system=args.system,
         settings={"model": args.model, "dtype": str(parse_dtype(args.dtype)).removeprefix("torch."),
                   "threads": torch.get_num_threads(),
-                  "backend": getattr(args, "backend", "auto"), "quantize": args.quantize,
+                  "backend": getattr(args, "backend", "auto"), "quantize": args.quantize, "exact": args.exact,
                   "tree": tree if tree == "auto" else {"total_tokens": tree.total_tokens, "depth": tree.depth,
                                                        "top_k": tree.top_k},
                   "draft_vocab": args.draft_vocab,

@@ -199,6 +199,7 @@ class MethodContext:
     backend: str = "auto"  # our loop's target backend (see eaglespec.fastpath)
     draft_vocab: int | None = None  # EAGLE-1 head drafting subset (None = the head's default, 0 = full)
     quantize: str | None = None  # our loop's weight-only target quantization (see eaglespec.quant)
+    exact: bool = False  # our loop's decode steps attend row by row (eaglespec.fastpath.make_target)
 
 
 def parse_methods(text: str) -> list[str]:
@@ -306,7 +307,8 @@ def build_methods(names: list[str], ctx: MethodContext, sweep: tuple[str, list[i
             tree = ctx.tree if value is None else TreeSettings(**{**_tree_dict(base), sweep[0]: value})
             engine = Engine.from_model(ctx.model, ctx.tokenizer, head=head, method=engine_method, tree=tree,
                                        draft_hf_model=ctx.draft_model if name == "sps" else None,
-                                       backend=ctx.backend, fallback=False, quantize=ctx.quantize)
+                                       backend=ctx.backend, fallback=False, quantize=ctx.quantize,
+                                       exact=ctx.exact)
             settings = {"target": type(engine.target).__name__, "quantize": ctx.quantize}
             if name != "vanilla":
                 drafter_settings = getattr(engine.drafter, "settings", None)
