@@ -268,9 +268,36 @@ def test_init_head_starts_from_a_trained_head_with_a_fresh_schedule(tmp_path, da
         Trainer(config(tmp_path / "x", data_file, "eagle3" if kind == "eagle1" else "eagle1",
                        init_head=str(tmp_path / "trained")), target_model, tok, progress=False)
     if kind == "eagle3":
-        with pytest.raises(EagleSpecError, match="--draft-vocab-size 24"):
+        with pytest.raises(EagleSpecError, match="--draft-vocab-size 24, or --reselect-vocab"):
             Trainer(config(tmp_path / "y", data_file, kind, draft_vocab_size=16, init_head=str(tmp_path / "trained")),
                     target_model, tok, progress=False)
+
+
+def test_reselect_vocab_rechooses_an_eagle3_heads_draft_vocabulary_and_keeps_its_trained_rows(
+        tmp_path, data_file, target_model, tok):
+    trained = trained_head(tmp_path / "first", data_file, target_model, tok, "eagle3")  # 24 draft tokens
+    save_head(trained, tmp_path / "trained", dtype=torch.float32)
+    other_data = write_sharegpt(tmp_path / "other.json", conversations(40, seed=7))
+    cfg = config(tmp_path / "second", other_data, "eagle3", max_steps=3, draft_vocab_size=16,
+                 init_head=str(tmp_path / "trained"), reselect_vocab=True)
+    again = Trainer(cfg, target_model, tok, progress=False)
+    head = again.unwrapped()
+    expected = select_draft_vocab(token_counts(again.train_examples, 48), 16)
+    draft = torch.arange(16)
+    assert torch.equal(head.to_target_ids(draft), expected)  # target = draft + d2t[draft]
+    assert torch.equal(head.t2d.nonzero()[:, 0], expected)  # t2d marks exactly those ids
+    old = trained.to_target_ids(torch.arange(24)).tolist()
+    kept = [i for i, t in enumerate(expected.tolist()) if t in old]
+    assert 0 < len(kept) <= 16
+    for i in kept:
+        assert torch.equal(head.lm_head.weight[i], trained.lm_head.weight[old.index(int(expected[i]))])
+    for key, value in trained.state_dict().items():
+        if key not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(head.state_dict()[key], value), key
+    batch = again.train_source.batch(list(range(4)))
+    assert torch.isfinite(again.loss(batch).total)
+    again.train()
+    assert load_head(tmp_path / "second" / "run-eagle3" / "head").config.draft_vocab_size == 16
 
 
 def test_training_on_data_without_answers_is_a_clear_error(tmp_path, target_model, tok):

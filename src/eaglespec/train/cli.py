@@ -76,7 +76,7 @@ def cmd_head(args: argparse.Namespace) -> int:
         eval_size=args.eval_size, eval_every=args.eval_every, save_every=args.save_every, log_every=args.log_every,
         seed=args.seed, cache_features=args.cache_features, save_dtype=args.save_dtype,
         mixed_precision=args.mixed_precision, time_budget_min=args.time_budget, ce_vocab=args.ce_vocab,
-        init_head=args.init_head,
+        init_head=args.init_head, reselect_vocab=args.reselect_vocab,
     )
     model, tokenizer = load_target(args.model, dtype="float32")
     trainer = Trainer(config, model, tokenizer)
@@ -153,6 +153,9 @@ def register_head(sub) -> None:
     h.add_argument("--init-head", default=None, metavar="DIR",
                    help="start from this trained head (our layout or an official EAGLE / EAGLE-3 folder) with a fresh "
                         "optimizer and schedule: fine-tune it on new data or for longer")
+    h.add_argument("--reselect-vocab", action="store_true",
+                   help="with --init-head and an EAGLE-3 head: re-choose its draft vocabulary (--draft-vocab-size "
+                        "tokens) from this data; tokens it already drafts keep their trained rows")
     h.add_argument("--max-length", type=int, default=1024, help="tokens per conversation (longer ones are cut)")
     h.add_argument("--max-examples", type=int, default=None, help="train on at most this many conversations")
     h.add_argument("--batch-size", type=int, default=4, help="conversations per step and per process")

@@ -15,7 +15,7 @@ import pickle
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -67,6 +67,7 @@ class TrainConfig:
     mixed_precision: str = "auto"  # auto = bf16 on GPU, none on CPU
     time_budget_min: float | None = None  # stop training (and write the head) after this many minutes
     init_head: str | None = None  # start from this head's weights (ours or official layout) instead of random ones
+    reselect_vocab: bool = False  # with init_head (EAGLE-3): re-choose the draft vocabulary from this run's answers
     extra: dict = field(default_factory=dict)
 
     def unroll_steps(self) -> int:
@@ -235,10 +236,14 @@ class Trainer:
         if head.config.kind != c.kind:
             raise EagleSpecError(
                 f"--init-head '{c.init_head}' is a {head.config.kind} head; pass --kind {head.config.kind}")
-        if c.kind == "eagle3" and head.config.draft_vocab_size != min(c.draft_vocab_size, self.target.vocab_size):
+        if c.kind == "eagle3" and not c.reselect_vocab \
+                and head.config.draft_vocab_size != min(c.draft_vocab_size, self.target.vocab_size):
             raise EagleSpecError(f"--init-head '{c.init_head}' drafts from {head.config.draft_vocab_size} tokens; "
-                                 f"pass --draft-vocab-size {head.config.draft_vocab_size}")
+                                 f"pass --draft-vocab-size {head.config.draft_vocab_size}, or --reselect-vocab to "
+                                 f"choose {c.draft_vocab_size} from this data")
         self.print(f"starting from the weights of {c.init_head}")
+        if c.kind == "eagle3" and c.reselect_vocab:
+            head = self._reselect_vocab(head, train)
         if c.kind == "eagle1":
             if c.ce_vocab == "draft":
                 counts = token_counts(train, self.target.vocab_size)
@@ -246,6 +251,37 @@ class Trainer:
             else:
                 head.set_draft_vocab(None)
         return head.to(self.accelerator.device).requires_grad_(True).train()
+
+    def _reselect_vocab(self, head: DraftHead, train: list[Example]) -> DraftHead:
+        """`--reselect-vocab`: an EAGLE-3 head's draft vocabulary re-chosen from this run's answers (new data may use
+        other tokens). Tokens it already drafted keep their trained LM-head rows; new ones start from the target's
+        rows, scaled to the trained rows' mean norm. Every other weight is kept as it is."""
+        c = self.config
+        counts = token_counts(train, self.target.vocab_size)
+        ids = select_draft_vocab(counts, min(c.draft_vocab_size, self.target.vocab_size))  # [Vd'] ascending
+        old_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size))  # [Vd]
+        new = build_head(replace(head.config, draft_vocab_size=ids.numel()))
+        vocab_keys = ("lm_head.weight", "d2t", "t2d")
+        kept_state = {k: v for k, v in head.state_dict().items() if k not in vocab_keys}
+        missing, unexpected = new.load_state_dict(kept_state, strict=False)
+        assert not unexpected and set(missing) == set(vocab_keys), (missing, unexpected)
+        new.set_vocab(ids)
+        slot = torch.full((self.target.vocab_size,), -1, dtype=torch.long)
+        slot[old_ids] = torch.arange(old_ids.numel())
+        old_slot = slot[ids]  # [Vd'] row of each new token in the old LM head, -1 if it had none
+        kept = old_slot >= 0
+        with torch.no_grad():
+            trained = head.lm_head.weight.float()  # [Vd, d]
+            rows = self.target.lm_head.weight.detach().float().cpu()[ids].clone()  # [Vd', d]
+            if kept.any():
+                scale = trained[old_slot[kept]].norm(dim=-1).mean() / rows[kept].norm(dim=-1).mean()
+                rows = rows * scale
+                rows[kept] = trained[old_slot[kept]]
+            new.lm_head.weight.copy_(rows)
+        self.print(f"draft vocabulary re-chosen: {ids.numel()} tokens cover {coverage(counts, ids):.1%} of the "
+                   f"training answers (the head's {old_ids.numel()}: {coverage(counts, old_ids):.1%}); "
+                   f"{int(kept.sum())} keep their trained rows")
+        return new.to(torch.float32)
 
     def _init_from_target(self, head: DraftHead, ids: torch.Tensor) -> None:
         """EAGLE-3: start the head's LM head from the target's rows for the draft vocabulary and its output norm
