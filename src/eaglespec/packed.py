@@ -7,7 +7,8 @@ one (SmolLM2-135M, 2 cores: 82 ms of matrix products for 2 rows against 42 ms fo
 reordered once into its blocked layout reads the weights once per call, so 1-8 rows cost about the same (31-42 ms
 there), which is what makes verifying a draft tree cheap on a CPU (benchmarks/RESULTS.md, "where the time goes").
 
-It also gives each row the same bits whatever the number of rows in the call (checked in tests/test_packed.py),
+It also gives each row the same bits whatever the number of rows in the call (checked in tests/test_packed.py;
+not for every shape: on an AVX-512 CPU with torch 2.13 a product with 1536 input channels is not, README),
 which, with the fast path's row-by-row attention, makes a verified row bit-identical to a one-token step.
 
 The packed copy takes as much memory as the weight it packs. The two oneDNN ops are the ones torch.compile's CPU
