@@ -37,6 +37,25 @@ def test_each_row_is_computed_the_same_whatever_the_number_of_rows():
         assert torch.equal(torch.cat([layer(x[i:i + rows]) for i in range(0, 48, rows)]), full)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_products_are_split_so_every_row_is_computed_the_same(dtype):
+    """SmolLM2's down projection (1536 -> 576): one packed product is not row-invariant on every CPU; the chunked
+    form `--exact` uses is, and stays a faithful product."""
+    if not packed.available(dtype, "cpu"):
+        pytest.skip(f"no packed {dtype} on this CPU")
+    torch.manual_seed(0)
+    weight, bias = (torch.randn(576, 1536) * 0.05).to(dtype), torch.randn(576).to(dtype)
+    layer = packed.pack_row_invariant(weight, bias)
+    assert isinstance(layer, packed.ChunkedPackedLinear) and [b - a for a, b in layer.bounds] == [768, 768]
+    x = torch.randn(64, 1536).to(dtype)
+    single = torch.cat([layer(x[i:i + 1]) for i in range(64)])  # [64, 576]
+    for rows in (2, 3, 4, 6, 8, 16, 64):
+        assert torch.equal(torch.cat([layer(x[i:i + rows]) for i in range(0, 64, rows)]), single)
+    reference = F.linear(x.float(), weight.float(), bias.float())
+    assert torch.allclose(single.float(), reference, atol=0.05 if dtype == torch.bfloat16 else 1e-4, rtol=0.02)
+    assert isinstance(packed.pack_row_invariant(weight[:, :1024]), packed.PackedLinear)  # narrow enough: one product
+
+
 def test_availability_follows_dtype_and_device():
     assert packed.available(torch.float32, "cpu")
     assert not packed.available(torch.float16, "cpu") and not packed.available(torch.float32, "meta")

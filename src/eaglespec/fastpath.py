@@ -23,7 +23,8 @@ so a verified row is bit-identical to it. The prompt prefill is the
 same call in both and stays batched. Float32 targets keep one batched attention call by default: their verified
 logits differ from a one-token step's by float32 rounding only (~4e-5 of a logit on SmolLM2-135M), and the
 row-by-row calls would cost 25-80 ms more per step on 8-24 tree tokens (2 cores, benchmarks/RESULTS.md).
-`row_invariant=True` makes float32 decode steps bit-exact too (tests/test_packed.py).
+`row_invariant=True` makes float32 decode steps bit-exact too (tests/test_packed.py); it also splits packed products
+too wide to be row-invariant into input chunks (`packed.pack_row_invariant`).
 """
 
 from __future__ import annotations
@@ -115,8 +116,8 @@ class FastTarget(TargetModel):
     def _linear(self, weight: Tensor, bias: Tensor | None = None) -> Linear:
         if self.quantize:
             return quantize(weight, bias, self.quantize)
-        if self.pack:
-            return packed.pack(weight, bias)
+        if self.pack:  # row-invariant steps: products too wide to be row-invariant are split (eaglespec.packed)
+            return packed.pack_row_invariant(weight, bias) if self.row_invariant else packed.pack(weight, bias)
         return partial(F.linear, weight=weight.detach().contiguous(), bias=None if bias is None else bias.detach())
 
     def _fuse(self, layer) -> _Layer:

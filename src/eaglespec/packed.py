@@ -8,7 +8,7 @@ reordered once into its blocked layout reads the weights once per call, so 1-8 r
 there), which is what makes verifying a draft tree cheap on a CPU (benchmarks/RESULTS.md, "where the time goes").
 
 It also gives each row the same bits whatever the number of rows in the call (checked in tests/test_packed.py;
-not for every shape: on an AVX-512 CPU with torch 2.13 a product with 1536 input channels is not, README),
+not for every shape: on an AVX-512 CPU with torch 2.13 one with 1536 input channels is not, hence `pack_row_invariant`),
 which, with the fast path's row-by-row attention, makes a verified row bit-identical to a one-token step.
 
 The packed copy takes as much memory as the weight it packs. The two oneDNN ops are the ones torch.compile's CPU
@@ -58,6 +58,42 @@ def pack(weight: Tensor, bias: Tensor | None = None) -> PackedLinear:
     w = weight.detach().to(dtype).contiguous()
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
     return PackedLinear(packed, None if bias is None else bias.detach().to(dtype).contiguous())
+
+
+# The widest input (K) measured row-invariant at 1-64 rows (float32 and bfloat16, AVX-512 CPU, torch 2.13): K = 1536
+# is not (a row gets other bits once 2+ float32 / 4+ bfloat16 rows share the call), 256-1024 are.
+ROW_INVARIANT_K = 1024
+
+
+@dataclass
+class ChunkedPackedLinear:
+    """y = x W^T (+ b) as a fixed-order float32 sum of packed products over input chunks of at most ROW_INVARIANT_K
+    channels: row-invariant where one wide packed product is not. x [..., K] -> [..., N] in x.dtype."""
+
+    parts: list[PackedLinear]
+    bounds: list[tuple[int, int]]  # input channel range of each part
+    bias: Tensor | None  # [N]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y = None
+        for (start, end), part in zip(self.bounds, self.parts):
+            out = part(x[..., start:end].contiguous()).float()  # [..., N]
+            y = out if y is None else y + out
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
+
+
+def pack_row_invariant(weight: Tensor, bias: Tensor | None = None) -> PackedLinear | ChunkedPackedLinear:
+    """`pack`, split into equal input chunks when K exceeds ROW_INVARIANT_K (a little slower; for --exact)."""
+    k = weight.shape[1]
+    if k <= ROW_INVARIANT_K:
+        return pack(weight, bias)
+    chunks = -(-k // ROW_INVARIANT_K)
+    size = -(-k // chunks)
+    bounds = [(start, min(start + size, k)) for start in range(0, k, size)]
+    parts = [pack(weight[:, start:end]) for start, end in bounds]
+    return ChunkedPackedLinear(parts, bounds, None if bias is None else bias.detach())
 
 
 class PackedLinearModule(nn.Module):
