@@ -298,16 +298,13 @@ def make_target(model, feature_kind: str | None = "final", backend: str = "auto"
     a verified row is bit-identical to a one-token step in any dtype (fast path only; quantized targets always are)."""
     if backend not in ("auto", "fast", "hf"):
         raise EagleSpecError(f"unknown backend '{backend}'; use auto, fast or hf")
-    if exact and (backend == "hf" or not supports(model)):
-        raise EagleSpecError(f"--exact needs the fast path (Llama / Qwen2 models, --backend auto or fast); this is "
-                             f"'{model.config.model_type}' with backend {backend}")
-    if check_mode(quantize):
+    quantize = check_mode(quantize)
+    if quantize or exact:
         if backend == "hf" or not supports(model):
-            raise EagleSpecError(f"--quantize {quantize} needs the fast path (Llama / Qwen2 models, --backend "
-                                 f"auto or fast); this is '{model.config.model_type}' with backend {backend}")
-        return FastTarget(model, feature_kind, quantize=quantize)
-    if exact:
-        return FastTarget(model, feature_kind, row_invariant=True)
+            option = f"--quantize {quantize}" if quantize else "--exact"
+            raise EagleSpecError(f"{option} needs the fast path (Llama / Qwen2 models, --backend auto or fast); "
+                                 f"this is '{model.config.model_type}' with backend {backend}")
+        return FastTarget(model, feature_kind, quantize=quantize, row_invariant=True if exact else None)
     if backend == "hf" or (backend == "auto" and not supports(model)):
         return TargetModel(model, feature_kind)
     if not supports(model):

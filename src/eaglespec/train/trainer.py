@@ -216,8 +216,7 @@ class Trainer:
         torch.manual_seed(c.seed)
         head = build_head(head_config)
         if c.kind == "eagle3" or c.ce_vocab == "draft":  # EAGLE-1 with "draft": train over the subset it drafts from
-            counts = token_counts(train, self.target.vocab_size)
-            ids = select_draft_vocab(counts, min(c.draft_vocab_size, self.target.vocab_size))
+            counts, ids = self._answer_vocab(train)
             what = "draft vocabulary" if c.kind == "eagle3" else "soft cross-entropy vocabulary"
             self.print(f"{what}: {ids.numel()} tokens cover {coverage(counts, ids):.1%} of the training answers")
             if c.kind == "eagle3":
@@ -229,7 +228,8 @@ class Trainer:
 
     def _initial_head(self, train: list[Example]) -> DraftHead:
         """`--init-head`: continue from a trained head (new data, a fresh optimizer and learning-rate schedule).
-        An EAGLE-3 head keeps its own draft vocabulary; an EAGLE-1 head gets the subset of the new data."""
+        An EAGLE-3 head keeps its own draft vocabulary unless `reselect_vocab`; an EAGLE-1 head gets the subset of the
+        new data."""
         c = self.config
         head = load_head(c.init_head)
         check_head_fits(head, self.target, f"--init-head '{c.init_head}'")
@@ -246,8 +246,7 @@ class Trainer:
             head = self._reselect_vocab(head, train)
         if c.kind == "eagle1":
             if c.ce_vocab == "draft":
-                counts = token_counts(train, self.target.vocab_size)
-                head.set_draft_vocab(select_draft_vocab(counts, min(c.draft_vocab_size, self.target.vocab_size)))
+                head.set_draft_vocab(self._answer_vocab(train)[1])
             else:
                 head.set_draft_vocab(None)
         return head.to(self.accelerator.device).requires_grad_(True).train()
@@ -256,9 +255,7 @@ class Trainer:
         """`--reselect-vocab`: an EAGLE-3 head's draft vocabulary re-chosen from this run's answers (new data may use
         other tokens). Tokens it already drafted keep their trained LM-head rows; new ones start from the target's
         rows, scaled to the trained rows' mean norm. Every other weight is kept as it is."""
-        c = self.config
-        counts = token_counts(train, self.target.vocab_size)
-        ids = select_draft_vocab(counts, min(c.draft_vocab_size, self.target.vocab_size))  # [Vd'] ascending
+        counts, ids = self._answer_vocab(train)  # ids: [Vd'] ascending
         old_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size))  # [Vd]
         new = build_head(replace(head.config, draft_vocab_size=ids.numel()))
         vocab_keys = ("lm_head.weight", "d2t", "t2d")
@@ -281,7 +278,12 @@ class Trainer:
         self.print(f"draft vocabulary re-chosen: {ids.numel()} tokens cover {coverage(counts, ids):.1%} of the "
                    f"training answers (the head's {old_ids.numel()}: {coverage(counts, old_ids):.1%}); "
                    f"{int(kept.sum())} keep their trained rows")
-        return new.to(torch.float32)
+        return new
+
+    def _answer_vocab(self, train: list[Example]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token counts of the training answers [V] and the `draft_vocab_size` most frequent ids, ascending."""
+        counts = token_counts(train, self.target.vocab_size)
+        return counts, select_draft_vocab(counts, min(self.config.draft_vocab_size, self.target.vocab_size))
 
     def _init_from_target(self, head: DraftHead, ids: torch.Tensor) -> None:
         """EAGLE-3: start the head's LM head from the target's rows for the draft vocabulary and its output norm
