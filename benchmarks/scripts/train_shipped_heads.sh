@@ -102,3 +102,15 @@ eaglespec train head --kind eagle3 --out runs/s10/eagle3 --ttt-steps 3 \
   --save-dtype bfloat16 --threads 2 --time-budget 82
 eaglespec train eval --head runs/s10/eagle3/head --data runs/s4/heldout.jsonl --max-length 640 --threads 2
 cp runs/s10/eagle3/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle3/
+
+# 10. Session 11: the EAGLE-3 head 100 more minutes on the same 3,328 answers and cached features, unrolled over 5
+#     draft steps instead of 3 (its acceptance fell off fastest at depths 3-5 of the tree, which 3 unrolled steps
+#     never train), at a lower peak rate; same draft vocabulary.
+mkdir -p runs/s11
+eaglespec train head --kind eagle3 --out runs/s11/eagle3 --ttt-steps 5 \
+  --init-head src/eaglespec/shipped_heads/smollm2-135m-eagle3 --draft-vocab-size 8192 \
+  --data runs/s8/train.jsonl runs/s9/extra.jsonl --max-length 512 --eval-size 16 --cache-features runs/s10/feat3 \
+  --eval-steps 6 --batch-size 4 --lr 3e-4 --warmup-steps 30 --epochs 100 --eval-every 500 --save-every 500 \
+  --save-dtype bfloat16 --threads 2 --time-budget 100
+eaglespec train eval --head runs/s11/eagle3/head --data runs/s4/heldout.jsonl --max-length 640 --threads 2
+cp runs/s11/eagle3/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle3/
