@@ -82,6 +82,24 @@ def test_replay_matches_the_tree_actually_drafted(kind):
     assert checked >= 0.9 * 3 * (len(seq) - big_depth - len(prompt))
 
 
+def test_timing_the_draft_rounds_leaves_the_candidates_alone():
+    # Timing runs extra target forwards (to flush the CPU caches) and restarts of the tree; neither may change what
+    # the head drafts or what is recorded as accepted.
+    from eaglespec.autotree import record_candidates
+
+    model = make_model("llama")
+    head = random_head(model, "eagle1")
+    target = make_target(model, feature_kind="final")
+    drafter = EagleDrafter(head, target.embed_tokens, target.lm_head, "dynamic")
+    prompt = [5, 17, 33, 2, 9, 40]
+    sequences = [(prompt + vanilla_tokens(model, prompt, 24), len(prompt))]
+    plain, none = record_candidates(drafter, target, sequences, depth=4, top_k=4)
+    timed, draft_ms = record_candidates(drafter, target, sequences, depth=4, top_k=4,
+                                        time_settings=[(1, 1), (3, 2)], time_rounds=2)
+    assert none == {} and set(draft_ms) == {"1,1", "3,2"} and all(ms > 0 for ms in draft_ms.values())
+    assert [(r.parents, r.scores, r.correct) for r in timed] == [(r.parents, r.scores, r.correct) for r in plain]
+
+
 def test_choice_follows_the_cost_of_verifying():
     # One position where a chain of 6 would be accepted entirely, and the second-ranked branch never.
     n = 1 + 2 * 6

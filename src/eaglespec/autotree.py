@@ -4,7 +4,9 @@ Expected speed of a tree setting = E[accepted length] / (draft time + verify tim
 
 1. **Verify cost**: the target's forward time for n tree tokens, n = 1..64 (how it grows depends on the machine,
    the dtype and the backend). Cached per model, dtype, backend, CPU, threads and torch version.
-2. **Draft cost**: the time the head takes to grow a tree `depth` levels deep expanding `top_k` nodes per level.
+2. **Draft cost**: the time a draft round takes: the head's catch-up over the newly committed positions and the
+   root's distribution, timed right after a target forward as in decoding (the head's weights then come from
+   memory, not the CPU caches), plus growing a tree `depth` levels deep expanding `top_k` nodes per level.
 3. **Acceptance**: the head drafts one large tree at many positions of a few greedy continuations of
    calibration prompts, and every node is marked correct when its path equals the target's own continuation.
    Any smaller setting's accepted length is then replayed exactly from those records: the EAGLE-2 growth of a
@@ -14,7 +16,8 @@ Expected speed of a tree setting = E[accepted length] / (draft time + verify tim
 Acceptance depends on the head and the target, not on the machine; costs depend on both.
 
 The model leaves out what isolated forwards do not show: the loop's own work per step, and the draft head's weights
-pushing the target's out of the CPU caches between forwards. On a 2-core CPU with an int4 target that made it
+pushing the target's out of the CPU caches between forwards (the reverse, the target's pushing out the head's, is
+in the draft cost). On a 2-core CPU with an int4 target that made it
 expect 1.13x and get 0.96x (benchmarks/RESULTS.md, session 5). So the best setting is then checked by decoding:
 the chosen tree and plain decoding generate the same prompts through the real loop, interleaved, and drafting is
 kept only if it measured faster (`TreeChoice.speculate`). The whole choice is cached in `<cache>/trees/`, so the
@@ -48,7 +51,8 @@ CALIBRATION_TOP_K = 8
 TREE_SIZES = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # total_tokens candidates (root included)
 DEPTHS = tuple(range(1, CALIBRATION_DEPTH + 1))
 TOP_KS = (1, 2, 3, 4, 6, 8)
-VERSION = 3  # bump when the calibration changes meaning (3: bfloat16 packed, float32 attention)
+VERSION = 4  # bump when the calibration changes meaning (3: bfloat16 packed, float32 attention; 4: draft time
+# includes the round start, timed after a target forward)
 
 
 @dataclass
@@ -181,16 +185,28 @@ def _greedy_sequences(engine, prompts, new_tokens: int, progress: bool = False) 
     return seqs
 
 
+def _flush_caches(target: TargetModel, token: int) -> None:
+    """One discarded one-token target forward: in decoding, every draft round starts right after a verify pass
+    has streamed the target's weights through the CPU caches, so the head's weights come from memory."""
+    target.forward(torch.tensor([token]))
+    target.commit(torch.zeros(0, dtype=torch.long))  # keep nothing
+
+
 def record_candidates(drafter: EagleDrafter, target: TargetModel, sequences: list[tuple[list[int], int]],
                       stride: int = 2, depth: int = CALIBRATION_DEPTH, top_k: int = CALIBRATION_TOP_K,
                       time_settings: list[tuple[int, int]] | None = None,
                       time_rounds: int = 3, progress: bool = False) -> tuple[list[Candidates], dict[str, float]]:
     """Draft a large tree at every `stride`-th generated position; also time drafting for `time_settings`
-    (depth, top_k) pairs on the first `time_rounds` positions. Returns (candidates, {"depth,top_k": ms})."""
+    (depth, top_k) pairs on the first `time_rounds` positions. Returns (candidates, {"depth,top_k": ms}).
+
+    A round's draft time is what the decoding loop spends in `Drafter.draft`: the start of the round (the head's
+    catch-up over the `stride` newly committed positions and the root's distribution), timed right after a target
+    forward as in decoding, plus the growth of the tree for that setting (head weights then warm)."""
     from tqdm import tqdm
 
     rounds: list[Candidates] = []
-    timings: dict[str, list[float]] = {}
+    start_ms: list[float] = []
+    growth_ms: dict[str, list[float]] = {}
     timed = 0
     with torch.inference_mode():
         for seq, prompt_len in tqdm(sequences, desc="tree auto: drafting trees", unit="sequence", disable=not progress):
@@ -200,20 +216,28 @@ def record_candidates(drafter: EagleDrafter, target: TargetModel, sequences: lis
             drafter.reset()
             seen = 0
             for p in range(prompt_len, len(seq) - depth, stride):  # root = seq[p], truth = seq[p+1 .. p+depth]
+                timing = bool(time_settings) and timed < time_rounds and seen > 0  # a catch-up of `stride` rows
+                if timing:
+                    _flush_caches(target, seq[p])
+                t0 = time.perf_counter()
                 grow = drafter.start_round(torch.tensor(seq[: p + 1]), features[seen:p])
+                if timing:
+                    start_ms.append(1000 * (time.perf_counter() - t0))
                 seen = p
-                if time_settings and timed < time_rounds:
+                if timing:
                     timed += 1
                     for d, k in time_settings:
+                        fresh = grow.restart()
                         t0 = time.perf_counter()
-                        grow.restart().dynamic(total_tokens=2, depth=d, top_k=k)
-                        timings.setdefault(f"{d},{k}", []).append(1000 * (time.perf_counter() - t0))
+                        fresh.dynamic(total_tokens=2, depth=d, top_k=k)
+                        growth_ms.setdefault(f"{d},{k}", []).append(1000 * (time.perf_counter() - t0))
                     grow = grow.restart()
                 grow.dynamic(total_tokens=2, depth=depth, top_k=top_k)
                 rounds.append(_candidates(grow, seq[p + 1 : p + 1 + depth]))
     drafter.reset()
     target.reset()
-    return rounds, {key: statistics.median(v) for key, v in timings.items()}
+    start = statistics.median(start_ms) if start_ms else 0.0
+    return rounds, {key: start + statistics.median(v) for key, v in growth_ms.items()}
 
 
 def _candidates(grow, truth: list[int]) -> Candidates:
