@@ -162,10 +162,15 @@ class FastTarget(TargetModel):
         if keep is None:
             self.cache_len += n
         else:
-            m = keep.numel()
-            rows = c + keep.to(self.device)
-            self.keys[:, :, c : c + m] = self.keys[:, :, rows]  # gather first (a copy), then write in place
-            self.values[:, :, c : c + m] = self.values[:, :, rows]
+            kept = keep.tolist()
+            m = len(kept)
+            start = 0  # the leading kept rows already in place (a plain step, the first nodes of a path) stay
+            while start < m and kept[start] == start:
+                start += 1
+            if start < m:
+                rows = c + keep[start:].to(self.device)
+                self.keys[:, :, c + start : c + m] = self.keys[:, :, rows]  # gather first (a copy), then write
+                self.values[:, :, c + start : c + m] = self.values[:, :, rows]
             self.cache_len += m
         self._pending = 0
 
