@@ -114,3 +114,17 @@ eaglespec train head --kind eagle3 --out runs/s11/eagle3 --ttt-steps 5 \
   --save-dtype bfloat16 --threads 2 --time-budget 100
 eaglespec train eval --head runs/s11/eagle3/head --data runs/s4/heldout.jsonl --max-length 640 --threads 2
 cp runs/s11/eagle3/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle3/
+
+# 11. Session 12: the EAGLE-3 head 116 more minutes with 2,168 fresh self-distilled answers added (prompts 13,700
+#     on of the ShareGPT slice; 22 minutes at batch 64 in bfloat16), unrolled over 6 draft steps (the depth of the
+#     60-node tree), in bfloat16 autocast (weights and optimizer float32; 1.8x faster per step on this CPU). The
+#     command caches the new file's features first (2.5 GB; session 11 ran that pass on its own, runs/s11/feat3.py).
+mkdir -p runs/s12
+eaglespec train data --out runs/s11/distill.jsonl --offset 13700 --limit 6000 --batch-size 64 --dtype bfloat16
+eaglespec train head --kind eagle3 --out runs/s12/eagle3 --ttt-steps 6 \
+  --init-head src/eaglespec/shipped_heads/smollm2-135m-eagle3 --draft-vocab-size 8192 \
+  --data runs/s8/train.jsonl runs/s9/extra.jsonl runs/s11/distill.jsonl --max-length 512 --eval-size 16 \
+  --cache-features runs/s10/feat3 --eval-steps 6 --batch-size 4 --lr 3e-4 --warmup-steps 30 --epochs 100 \
+  --eval-every 500 --save-every 500 --save-dtype bfloat16 --threads 2 --mixed-precision bf16 --time-budget 116
+eaglespec train eval --head runs/s12/eagle3/head --data runs/s4/heldout.jsonl --max-length 640 --threads 2
+cp runs/s12/eagle3/head/* src/eaglespec/shipped_heads/smollm2-135m-eagle3/
