@@ -569,3 +569,31 @@ def test_eagle1_training_time_test_scores_each_step_on_its_own_fed_back_output(t
     three.train()
     with torch.no_grad():
         assert three.loss(batch).parts["regression2"] < before
+
+
+def test_two_processes_under_a_launcher(tmp_path, target_model, tok):
+    # The same command in 2 CPU processes (torchrun: the launcher `accelerate launch` runs on GPUs; accelerate
+    # reads either's environment, gloo on a CPU): the batches are split between the processes, the main one caches
+    # the features while the other waits, the time budget is checked on a clock both agree on, one head is written.
+    import os
+    import subprocess
+    import sys
+    model_dir = tmp_path / "tiny-model"
+    target_model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = write_sharegpt(tmp_path / "train.json", conversations(16, seed=3))
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+               "-m", "eaglespec.cli", "train", "head",
+               "--model", str(model_dir), "--kind", "eagle1", "--data", data, "--out", str(out), "--epochs", "2",
+               "--batch-size", "2", "--eval-size", "2", "--eval-steps", "2", "--threads", "1", "--log-every", "1",
+               "--cache-features", str(tmp_path / "cache"), "--time-budget", "10"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path),
+           "ACCELERATE_USE_CPU": "true"}  # what `accelerate launch --cpu` sets: gloo across CPU processes
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    # 14 training conversations, 2 per process per step, 2 processes: 3 steps per epoch, 2 epochs.
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
+    assert load_head(out / "head").config.kind == "eagle1"
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # one feature store, written once

@@ -184,7 +184,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_lambda(s, config.warmup_steps, self.total_steps, config.min_lr_ratio,
                                                 self._time_fraction()))
-        self._budget_started: float | None = None  # when this process started training (time budget)
+        self._budget_elapsed: float | None = None  # seconds of training so far, as all processes agree (time budget)
         self.head, self.optimizer = self.accelerator.prepare(self.head, self.optimizer)
         self.step = 0
         self.epoch = 0
@@ -306,12 +306,22 @@ class Trainer:
                    "of the training answers (--draft-vocab to change, 0 = full)")
 
     def _time_fraction(self) -> float:
-        """Share of --time-budget this process has used (0 without a budget)."""
+        """Share of --time-budget used (0 without a budget), as of the current step: the same on every process."""
         budget = self.config.time_budget_min
-        started = getattr(self, "_budget_started", None)
-        if not budget or started is None:
+        elapsed = getattr(self, "_budget_elapsed", None)
+        if not budget or elapsed is None:
             return 0.0
-        return min(1.0, (time.time() - started) / (60 * budget))
+        return min(1.0, elapsed / (60 * budget))
+
+    def _elapsed(self, started: float) -> float:
+        """Seconds since this run's training started, agreed by all processes (their mean): each process reading
+        its own clock would stop at a different step (the others then wait forever in the gradient all-reduce)
+        and follow a different learning rate (their weights would drift apart)."""
+        elapsed = time.time() - started
+        if self.accelerator.num_processes > 1:
+            t = torch.tensor([elapsed], dtype=torch.float64, device=self.accelerator.device)
+            elapsed = float(self.accelerator.reduce(t, reduction="mean")[0])
+        return elapsed
 
     def print(self, text: str) -> None:
         if self.accelerator.is_main_process:
@@ -404,12 +414,14 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {c.kind}", unit="step",
                    disable=not (self.progress and self.accelerator.is_main_process))
         started, done_now = time.time(), 0
-        self._budget_started = started
+        self._budget_elapsed = 0.0
         batches: list[list[int]] = []
         batches_epoch = -1
         out_of_time = False
         while self.step < self.total_steps and (stop_after is None or done_now < stop_after):
-            if c.time_budget_min is not None and time.time() - started > 60 * c.time_budget_min:
+            if c.time_budget_min is not None:
+                self._budget_elapsed = self._elapsed(started)
+            if c.time_budget_min is not None and self._budget_elapsed > 60 * c.time_budget_min:
                 self.print(f"time budget of {c.time_budget_min} min used up at step {self.step}")
                 out_of_time = True
                 break
