@@ -421,10 +421,10 @@ class Trainer:
         while self.step < self.total_steps and (stop_after is None or done_now < stop_after):
             if c.time_budget_min is not None:
                 self._budget_elapsed = self._elapsed(started)
-            if c.time_budget_min is not None and self._budget_elapsed > 60 * c.time_budget_min:
-                self.print(f"time budget of {c.time_budget_min} min used up at step {self.step}")
-                out_of_time = True
-                break
+                if self._budget_elapsed > 60 * c.time_budget_min:
+                    self.print(f"time budget of {c.time_budget_min} min used up at step {self.step}")
+                    out_of_time = True
+                    break
             if batches_epoch != self.epoch:
                 batches, batches_epoch = epoch_batches(lengths, c.batch_size, c.seed, self.epoch), self.epoch
             if self.batch_in_epoch >= self.steps_per_epoch:
