@@ -55,6 +55,8 @@ def test_raw_prompt_generates(capsys, model_dir):
     (["--top-k", "-3"], "top_k"),
     (["--max-new-tokens", "0"], "max-new-tokens"),
     (["--head", "/no/such/head"], "not a head folder"),
+    (["--compile", "--quantize", "int8"], "drop --quantize / --exact"),
+    (["--compile", "--exact"], "drop --quantize / --exact"),
 ])
 def test_bad_options_exit_2_before_loading(capsys, argv, message):
     code, _, err = run(capsys, "generate", "hello", "--model", "/no/such/model", *argv)

@@ -1,7 +1,7 @@
 """Fast-path target forward time vs number of tokens on top of a short cached prefix, and an op profile.
 
     python benchmarks/scripts/forward_cost.py [--quantize int8|int4] [--dtype float32|bfloat16] [--threads 2]
-        [--batched-attention] [--no-pack] [--attention-dtype bfloat16] [--context 105]
+        [--batched-attention] [--no-pack] [--attention-dtype bfloat16] [--context 105] [--compile]
 
 Each forward is a decode step as the decoding loop makes it (positions and a causal tree mask). With --quantize,
 decode steps attend row by row (bit-exact, see eaglespec/fastpath.py); --batched-attention times the single
@@ -25,13 +25,16 @@ p.add_argument("--profile", action="store_true")
 p.add_argument("--batched-attention", action="store_true", help="quantized: one batched attention call per layer")
 p.add_argument("--no-pack", action="store_true", help="leave the weights unpacked (F.linear), to see what packing gains")
 p.add_argument("--attention-dtype", default=None, help="KV cache / attention dtype (default: the fast path's choice)")
+p.add_argument("--compile", action="store_true", help="decode steps through torch.compile (eaglespec.compiled)")
 p.add_argument("--context", type=int, default=105, help="cached tokens before the timed forwards")
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 model, tokenizer = load_target("smollm2-135m", dtype=args.dtype)
 attention_dtype = getattr(torch, args.attention_dtype) if args.attention_dtype else None
 target = FastTarget(model, None, quantize=args.quantize, pack=False if args.no_pack else None,
-                    attention_dtype=attention_dtype)
+                    attention_dtype=attention_dtype, compile=args.compile)
+if args.compile:
+    print(f"compiled in {target.warm_up():.1f} s")
 prefix = tokenizer("Write a poem about the sea and the sky and the stars. " * (args.context // 10 + 1))["input_ids"]
 target.forward(torch.tensor(prefix[: args.context]))
 target.commit()
@@ -41,7 +44,7 @@ weight_mb = sum(p.numel() * p.element_size() for n, p in model.named_parameters(
 if model.config.tie_word_embeddings:
     weight_mb += model.lm_head.weight.numel() * model.lm_head.weight.element_size() / 1e6
 print(f"dtype {args.dtype}, quantize {args.quantize}, packed {target.pack}, {args.threads} threads, "
-      f"{target.cache_len} cached tokens, attention in {target.attention_dtype}, "
+      f"{target.cache_len} cached tokens, compiled {target.compiled}, attention in {target.attention_dtype}, "
       f"row-invariant attention {target.row_invariant}, "
       f"{weight_mb:.0f} MB of weights read per forward (unquantized)")
 c = target.cache_len

@@ -52,6 +52,7 @@ class Engine:
         fallback: bool = True,
         quantize: str | None = None,
         exact: bool = False,
+        compile: bool = False,
     ):
         """`tree`: "auto" (EAGLE-2 / chain: calibrated for this machine once, then cached), explicit
         `TreeSettings`, or None (the defaults). `draft_vocab` (EAGLE-1 heads): size of the drafting vocabulary
@@ -59,7 +60,8 @@ class Engine:
         native bfloat16, float32 elsewhere. `fallback`: with tree="auto", decode without a draft when no tree is
         expected to beat plain decoding on this machine (the head is too weak for its cost here). `quantize`:
         "int8" / "int4" weight-only target on CPU (changes the model; output stays lossless w.r.t. it). `exact`:
-        verify passes bit-identical to one-token steps in any dtype (row-by-row attention; fast path only)."""
+        verify passes bit-identical to one-token steps in any dtype (row-by-row attention; fast path only).
+        `compile`: the target's decode steps through torch.compile (fast path; tens of seconds at start)."""
         if method not in METHODS:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
         if method == "sps" and not draft_model:
@@ -80,12 +82,13 @@ class Engine:
                 head_module = load_head(head_dir, dtype=parse_dtype(dtype, device), device=device,
                                         draft_vocab=draft_vocab)
         self._setup(hf_model, tokenizer, head_module, method, tree, head_name=str(head), backend=backend,
-                    fallback=fallback, quantize=quantize, exact=exact)
+                    fallback=fallback, quantize=quantize, exact=exact, compile=compile)
 
     @classmethod
     def from_model(cls, hf_model, tokenizer, head: DraftHead | None = None, method: str = "eagle2",
                    tree: TreeSettings | str | None = None, draft_hf_model=None, backend: str = "auto",
-                   fallback: bool = True, quantize: str | None = None, exact: bool = False) -> "Engine":
+                   fallback: bool = True, quantize: str | None = None, exact: bool = False,
+                   compile: bool = False) -> "Engine":
         """Wrap an already loaded transformers model (and optionally a head, or a draft model for sps).
         `tree` as for `Engine()`, but None (the fixed defaults) by default."""
         engine = cls.__new__(cls)
@@ -98,18 +101,18 @@ class Engine:
             raise EagleSpecError("method 'sps' needs a draft model")
         engine.draft_hf_model = draft_hf_model
         engine._setup(hf_model, tokenizer, head if method in HEAD_METHODS else None, method, tree, "the head",
-                      backend, fallback, quantize, exact)
+                      backend, fallback, quantize, exact, compile)
         return engine
 
     def _setup(self, hf_model, tokenizer, head: DraftHead | None, method: str, tree: TreeSettings | str | None,
                head_name: str, backend: str = "auto", fallback: bool = True, quantize: str | None = None,
-               exact: bool = False) -> None:
+               exact: bool = False, compile: bool = False) -> None:
         if isinstance(tree, str) and tree != "auto":
             raise EagleSpecError(f"tree must be 'auto' or explicit settings, got '{tree}'")
         quantize = check_mode(quantize, next(hf_model.parameters()).device)  # "none" -> None
         feature_kind = None if head is None else ("eagle3" if head.config.kind == "eagle3" else "final")
         self.target = make_target(hf_model, feature_kind=feature_kind, backend=backend, quantize=quantize,
-                                  exact=exact)
+                                  exact=exact, compile=compile)
         self.tokenizer = tokenizer
         self.head = head
         self.method = method

@@ -300,7 +300,7 @@ def _fingerprint(module: torch.nn.Module) -> str:
 def _target_key(target: TargetModel) -> str:
     return "|".join([str(VERSION), _fingerprint(target.model), type(target).__name__, str(target.dtype),
                      str(target.quantize), str(getattr(target, "pack", False)),
-                     str(getattr(target, "row_invariant", False)),
+                     str(getattr(target, "row_invariant", False)), str(getattr(target, "compiled", False)),
                      getattr(target.config, "_name_or_path", ""), str(target.num_layers), str(target.hidden_size),
                      machine_key()])
 

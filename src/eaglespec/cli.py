@@ -51,6 +51,10 @@ def model_options(p: argparse.ArgumentParser) -> None:
                    help="fast path: verify passes attend row by row, so speculative output is bit-identical to plain "
                         "decoding in bfloat16 too (costs one attention call per tree token; float32 and --quantize "
                         "need it less / always have it)")
+    g.add_argument("--compile", action="store_true",
+                   help="fast path: run the target's decode steps through torch.compile (fuses the small operations "
+                        "between matrix products; needs a C++ compiler on a CPU; compiles for tens of seconds at "
+                        "start). Not with --quantize / --exact")
     g.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's)")
     g.add_argument("--tree", default="auto", choices=["auto", "fixed"],
                    help="auto = choose total_tokens / depth / top_k for this machine and head (measured once, "
@@ -99,6 +103,9 @@ def check_options(args: argparse.Namespace) -> None:
                                  f"got {args.max_new_tokens}")
     if getattr(args, "draft_vocab", None) is not None and args.draft_vocab < 0:
         raise EagleSpecError(f"--draft-vocab must be 0 (full vocabulary) or a positive size, got {args.draft_vocab}")
+    if getattr(args, "compile", False) and (getattr(args, "quantize", "none") != "none" or getattr(args, "exact", False)):
+        raise EagleSpecError("--compile applies to the model's own weights with batched attention: drop --quantize / "
+                             "--exact, or --compile")
     if args.head not in ("auto", None, "") and not (Path(args.head) / "config.json").is_file():
         raise EagleSpecError(f"--head '{args.head}' is not a head folder (no config.json there)")
     if getattr(args, "prompt", None) is not None and not args.prompt.strip():
@@ -116,7 +123,7 @@ def build_engine(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     engine = Engine(model=args.model, head=args.head, method=args.method, dtype=args.dtype, tree=tree_from_args(args),
                     draft_model=args.draft_model, backend=args.backend, draft_vocab=args.draft_vocab,
-                    quantize=args.quantize, exact=args.exact)
+                    quantize=args.quantize, exact=args.exact, compile=args.compile)
     if engine.notice:
         print(f"note: {engine.notice}", file=sys.stderr)
     return engine

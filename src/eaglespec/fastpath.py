@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import EagleSpecError
-from . import packed
+from . import compiled, packed
 from .quant import check_mode, quantize
 from .target import TargetModel, TargetOutput
 
@@ -61,6 +61,50 @@ def supports(model) -> bool:
 
 
 Linear = Callable[[Tensor], Tensor]  # x [..., K] -> [..., N]
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [H, n, hd], k, v [Hkv, n, hd]) -> [H, n, hd]
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm as transformers' Llama computes it. x [n, d] -> [n, d]."""
+    if x.dtype == torch.float32:  # one fused kernel; the same numbers as the three-step form below
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    # transformers' form, normalise in float32, round, then scale: x * rsqrt(mean(x^2) + eps) is one fused kernel
+    # with the same bits as the three-step form (~1 ms less per bfloat16 step over 30 layers).
+    return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE (rotate-half form). x [heads, n, hd]; cos, sin [1, n, hd]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def decoder_layer(layer, x: Tensor, cos: Tensor, sin: Tensor, heads: tuple[int, int, int], eps: float,
+                  attention_dtype: torch.dtype, attend: Attend) -> Tensor:
+    """One Llama decoder layer over this step's n rows: x [n, d] -> [n, d]. `layer` has the fields of `_Layer`
+    (its products may be packed, quantized, plain or `nn.Linear`); heads = (H, Hkv, hd); `attend` writes this
+    step's keys and values to the cache and attends (torch.compile traces this same function, eaglespec.compiled)."""
+    n = x.shape[0]
+    H, Hkv, hd = heads
+    qkv = layer.qkv(rms_norm(x, layer.input_norm, eps))  # [n, (H + 2Hkv) hd]
+    qk, v = qkv.view(n, H + 2 * Hkv, hd).transpose(0, 1).split([H + Hkv, Hkv], dim=0)  # [heads, n, hd]
+    q, k = rotate(qk, cos, sin).to(attention_dtype).split([H, Hkv], dim=0)  # one RoPE call
+    attn = attend(q, k, v.to(attention_dtype))  # [H, n, hd]
+    x = x + layer.o(attn.transpose(0, 1).reshape(n, H * hd).to(x.dtype))
+    gate, up = layer.gate_up(rms_norm(x, layer.post_norm, eps)).chunk(2, dim=-1)  # [n, I] each
+    return x + layer.down(F.silu(gate) * up)
+
+
+def write_and_attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, c: int,
+                     mask: Tensor | None) -> Tensor:
+    """Write this step's keys and values to cache rows c..c+n-1 of one layer, then attend over rows [0, c + n).
+    q [H, n, hd]; k, v [Hkv, n, hd]; keys, values [Hkv, capacity, hd] (one layer's cache, written in place); mask
+    [1, 1, n, c + n] bool or None (a one-token step sees every row). Returns [H, n, hd]."""
+    n = q.shape[1]
+    keys[:, c : c + n] = k
+    values[:, c : c + n] = v
+    return F.scaled_dot_product_attention(q[None], keys[:, : c + n][None], values[:, : c + n][None],
+                                          attn_mask=mask, enable_gqa=q.shape[0] != k.shape[0])[0]
 
 
 @dataclass
@@ -78,14 +122,22 @@ class FastTarget(TargetModel):
 
     def __init__(self, model, feature_kind: str | None = "final", initial_capacity: int = 1024,
                  quantize: str | None = None, pack: bool | None = None, row_invariant: bool | None = None,
-                 attention_dtype: torch.dtype | None = None):
+                 attention_dtype: torch.dtype | None = None, compile: bool = False):
         """`quantize`: None (the model's own weights), "int8" or "int4" weight-only (see eaglespec.quant).
         `pack`: weights pre-packed for oneDNN (eaglespec.packed); None = wherever available.
         `row_invariant`: decode steps attend row by row (module docstring); None = when quantized.
         `attention_dtype`: of the KV cache and the attention arithmetic; None = float32 for a half-precision target
-        on a CPU, the model's dtype elsewhere."""
+        on a CPU, the model's dtype elsewhere.
+        `compile`: decode steps run the layers through torch.compile (eaglespec.compiled); call `warm_up()` to
+        compile before timing anything."""
         super().__init__(model, feature_kind)
         self.quantize = check_mode(quantize, self.device)
+        self.compiled = bool(compile)
+        if self.compiled:
+            if self.quantize or row_invariant:
+                raise EagleSpecError("--compile applies to the model's own weights with batched attention: drop "
+                                     "--quantize / --exact, or --compile")
+            compiled.check_available(self.device)
         can_pack = self.quantize is None and packed.available(self.dtype, self.device)
         if pack and not can_pack:
             raise EagleSpecError("pack=True needs float32 weights (or bfloat16 on a CPU with native bfloat16) on a CPU "
@@ -103,10 +155,16 @@ class FastTarget(TargetModel):
         self.n_kv = getattr(c, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.n_heads
         self.eps = float(c.rms_norm_eps)
-        self.layers = [self._fuse(layer) for layer in self.decoder.layers]
-        self.final_norm = self.decoder.norm.weight.detach()
         head = self.lm_head
         self.logits_head: Linear = self._linear(head.weight, head.bias) if self.quantize or self.pack else head
+        self.layers = [self._fuse(layer) for layer in self.decoder.layers]
+        self.final_norm = self.decoder.norm.weight.detach()
+        self.stack = None  # the compiled layers (decode steps), with --compile
+        self.compiled_steps = 0  # forwards that ran through it
+        if self.compiled:
+            features = self.eagle3_layers() if self.feature_kind == "eagle3" else ()
+            self.stack = compiled.compile_stack(self.layers, (self.n_heads, self.n_kv, self.head_dim), self.eps,
+                                                self.attention_dtype, features)
         rope = getattr(c, "rope_parameters", None) or {}
         theta = float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
@@ -120,6 +178,10 @@ class FastTarget(TargetModel):
             return packed.pack_row_invariant(weight, bias) if self.row_invariant else packed.pack(weight, bias)
         return partial(F.linear, weight=weight.detach().contiguous(), bias=None if bias is None else bias.detach())
 
+    def _layer_linear(self, weight: Tensor, bias: Tensor | None = None) -> Linear:
+        # compiled layers hold plain nn.Linear modules: inductor's freezing packs them itself
+        return compiled.linear_module(weight, bias) if self.compiled else self._linear(weight, bias)
+
     def _fuse(self, layer) -> _Layer:
         a, m = layer.self_attn, layer.mlp
         bias = None
@@ -127,11 +189,11 @@ class FastTarget(TargetModel):
             bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
         return _Layer(
             input_norm=layer.input_layernorm.weight.detach(),
-            qkv=self._linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bias),
-            o=self._linear(a.o_proj.weight),
+            qkv=self._layer_linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bias),
+            o=self._layer_linear(a.o_proj.weight),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=self._linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
-            down=self._linear(m.down_proj.weight),
+            gate_up=self._layer_linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+            down=self._layer_linear(m.down_proj.weight),
         )
 
     # ---- static cache --------------------------------------------------------------------------------
@@ -144,6 +206,9 @@ class FastTarget(TargetModel):
             keys[:, :, : self.capacity] = self.keys
             values[:, :, : self.capacity] = self.values
         self.keys, self.values, self.capacity = keys, values, capacity
+        # per-layer views [kv_heads, capacity, head_dim] for the compiled layers: written in place there, where a
+        # write into a slice of the 4-d cache became a copy of all of it per layer
+        self.layer_keys, self.layer_values = list(keys.unbind(0)), list(values.unbind(0))
         positions = torch.arange(capacity, dtype=torch.float32)
         angles = positions[:, None] * self.inv_freq[None]  # [capacity, hd/2]
         emb = torch.cat([angles, angles], dim=-1)
@@ -153,6 +218,10 @@ class FastTarget(TargetModel):
     def reset(self) -> None:
         self.cache_len = 0
         self._pending = 0
+
+    def warm_up(self) -> float:
+        """With `compile`: compile the decode steps now (tens of seconds; empties the cache). Returns seconds."""
+        return compiled.warm_up(self) if self.compiled else 0.0
 
     @torch.inference_mode()
     def commit(self, keep: Tensor | None = None) -> None:
@@ -175,19 +244,6 @@ class FastTarget(TargetModel):
         self._pending = 0
 
     # ---- forward -------------------------------------------------------------------------------------
-    def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32:  # one fused kernel; the same numbers as the three-step form below
-            return F.rms_norm(x, x.shape[-1:], weight, self.eps)
-        # transformers' form, normalise in float32, round, then scale: x * rsqrt(mean(x^2) + eps) is one fused
-        # kernel with the same bits as the three-step form (~1 ms less per bfloat16 step over 30 layers).
-        return weight * F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(dtype)
-
-    @staticmethod
-    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
     @staticmethod
     def _visible_rows(tree_mask: Tensor, c: int) -> list[int | Tensor]:
         """Per query row r of a decode step over c cached rows (all of which every row sees): the end c + L of the
@@ -199,6 +255,12 @@ class FastTarget(TargetModel):
         leading = (tree_mask == first).all(dim=1).tolist()
         paths = tree_mask.nonzero()[:, 1].split(counts.tolist())  # per row, its visible step rows ascending
         return [c + path.numel() if lead else path for lead, path in zip(leading, paths)]
+
+    def _write_and_attend_rows(self, layer: int, rows: list[int | Tensor], q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        c, n = self.cache_len, q.shape[1]
+        self.keys[layer, :, c : c + n] = k
+        self.values[layer, :, c : c + n] = v
+        return self._attend_rows(layer, q, k, v, rows)
 
     def _attend_rows(self, layer: int, q: Tensor, k: Tensor, v: Tensor, rows: list[int | Tensor]) -> Tensor:
         """One attention call per query row over exactly its visible keys, laid out as a one-token step sees them:
@@ -257,33 +319,26 @@ class FastTarget(TargetModel):
         if self.row_invariant and tree_mask is not None:
             rows = [c + 1] if n == 1 else self._visible_rows(allowed[:, c:], c)
         cos, sin = self.cos[positions][None], self.sin[positions][None]  # [1, n, hd]
-        H, Hkv, hd = self.n_heads, self.n_kv, self.head_dim
+        heads = (self.n_heads, self.n_kv, self.head_dim)
 
         x = self.embed_tokens(tokens)  # [n, d]
         feature_layers = self.eagle3_layers() if self.feature_kind == "eagle3" else ()
-        saved = []
-        for i, layer in enumerate(self.layers):
-            if i in feature_layers:
-                saved.append(x)
-            qkv = layer.qkv(self._norm(x, layer.input_norm))  # [n, (H + 2Hkv) hd]
-            qk, v = qkv.view(n, H + 2 * Hkv, hd).transpose(0, 1).split([H + Hkv, Hkv], dim=0)  # [heads, n, hd]
-            q, k = self._rotate(qk, cos, sin).to(self.attention_dtype).split([H, Hkv], dim=0)  # one RoPE call
-            v = v.to(self.attention_dtype)
-            self.keys[i, :, c : c + n] = k
-            self.values[i, :, c : c + n] = v
-            if rows is None:
-                attn = F.scaled_dot_product_attention(
-                    q[None], self.keys[i, :, : c + n][None], self.values[i, :, : c + n][None],
-                    attn_mask=mask, enable_gqa=H != Hkv,
-                )[0]  # [H, n, hd]
-            else:
-                attn = self._attend_rows(i, q, k, v, rows)
-            x = x + layer.o(attn.transpose(0, 1).reshape(n, H * hd).to(x.dtype))
-            gate, up = layer.gate_up(self._norm(x, layer.post_norm)).chunk(2, dim=-1)  # [n, I] each
-            x = x + layer.down(F.silu(gate) * up)
+        if self.stack is not None and rows is None and c > 0:  # decode steps; prompt prefills stay eager
+            x, saved = self.stack(x, cos, sin, self.layer_keys, self.layer_values, c, mask)
+            self.compiled_steps += 1
+        else:
+            saved = []
+            for i, layer in enumerate(self.layers):
+                if i in feature_layers:
+                    saved.append(x)
+                if rows is None:
+                    attend = partial(write_and_attend, keys=self.keys[i], values=self.values[i], c=c, mask=mask)
+                else:
+                    attend = partial(self._write_and_attend_rows, i, rows)
+                x = decoder_layer(layer, x, cos, sin, heads, self.eps, self.attention_dtype, attend)
         self._pending = n
 
-        last = self._norm(x, self.final_norm)  # [n, d]
+        last = rms_norm(x, self.final_norm, self.eps)  # [n, d]
         rows = last if logits_rows is None else last[logits_rows]
         logits = self.logits_head(rows).float()
         if self.feature_kind == "final":
@@ -297,19 +352,24 @@ class FastTarget(TargetModel):
 
 
 def make_target(model, feature_kind: str | None = "final", backend: str = "auto",
-                quantize: str | None = None, exact: bool = False) -> TargetModel:
+                quantize: str | None = None, exact: bool = False, compile: bool = False) -> TargetModel:
     """`backend`: "auto" (fast path when the architecture is supported), "fast" (required) or "hf".
     `quantize` ("int8" / "int4" weight-only, CPU) needs the fast path. `exact`: decode steps attend row by row, so
-    a verified row is bit-identical to a one-token step in any dtype (fast path only; quantized targets always are)."""
+    a verified row is bit-identical to a one-token step in any dtype (fast path only; quantized targets always are).
+    `compile`: decode steps through torch.compile (fast path only; compiles here, tens of seconds)."""
     if backend not in ("auto", "fast", "hf"):
         raise EagleSpecError(f"unknown backend '{backend}'; use auto, fast or hf")
     quantize = check_mode(quantize)
-    if quantize or exact:
+    options = [f"--quantize {quantize}"] * bool(quantize) + ["--exact"] * exact + ["--compile"] * compile
+    if options:
         if backend == "hf" or not supports(model):
-            option = f"--quantize {quantize}" if quantize else "--exact"
-            raise EagleSpecError(f"{option} needs the fast path (Llama / Qwen2 models, --backend auto or fast); "
-                                 f"this is '{model.config.model_type}' with backend {backend}")
-        return FastTarget(model, feature_kind, quantize=quantize, row_invariant=True if exact else None)
+            verb = "needs" if len(options) == 1 else "need"
+            raise EagleSpecError(f"{' and '.join(options)} {verb} the fast path (Llama / Qwen2 models, --backend "
+                                 f"auto or fast); this is '{model.config.model_type}' with backend {backend}")
+        target = FastTarget(model, feature_kind, quantize=quantize, row_invariant=True if exact else None,
+                            compile=compile)
+        target.warm_up()  # compiles now (with --compile), not inside a timed step
+        return target
     if backend == "hf" or (backend == "auto" and not supports(model)):
         return TargetModel(model, feature_kind)
     if not supports(model):

@@ -117,7 +117,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         head3_dir=head3, draft_model=draft, dtype=parse_dtype(args.dtype),
                         threads=torch.get_num_threads(), eos_ids=eos_ids_of(model, tokenizer),
                         backend=getattr(args, "backend", "auto"), draft_vocab=args.draft_vocab,
-                        quantize=None if args.quantize == "none" else args.quantize, exact=args.exact)
+                        quantize=None if args.quantize == "none" else args.quantize, exact=args.exact,
+                        compile=args.compile)
     if requested.strip() == "all":
         skipped = [(n, unavailable_reason(n, ctx)) for n in names]
         for n, reason in skipped:
@@ -143,6 +144,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         settings={"model": args.model, "dtype": str(parse_dtype(args.dtype)).removeprefix("torch."),
                   "threads": torch.get_num_threads(),
                   "backend": getattr(args, "backend", "auto"), "quantize": args.quantize, "exact": args.exact,
+                  "compile": args.compile,
                   "tree": tree if tree == "auto" else {"total_tokens": tree.total_tokens, "depth": tree.depth,
                                                        "top_k": tree.top_k},
                   "draft_vocab": args.draft_vocab,
@@ -153,7 +155,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"bench: {len(questions)} questions, methods {', '.join(m.name for m in methods)} -> {out}",
           file=sys.stderr)
     print(f"bench: dtype {config.settings['dtype']}, {torch.get_num_threads()} torch threads, backend "
-          f"{config.settings['backend']}, quantize {args.quantize} (our loop; peers run their own weights)",
+          f"{config.settings['backend']}, quantize {args.quantize}, compile {args.compile} (our loop; peers run their "
+          f"own weights)",
           file=sys.stderr)
     for m in methods:
         if "tree" in m.settings:

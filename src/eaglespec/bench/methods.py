@@ -200,6 +200,7 @@ class MethodContext:
     draft_vocab: int | None = None  # EAGLE-1 head drafting subset (None = the head's default, 0 = full)
     quantize: str | None = None  # our loop's weight-only target quantization (see eaglespec.quant)
     exact: bool = False  # our loop's decode steps attend row by row (eaglespec.fastpath.make_target)
+    compile: bool = False  # our loop's target decode steps through torch.compile (eaglespec.compiled)
 
 
 def parse_methods(text: str) -> list[str]:
@@ -308,7 +309,7 @@ def build_methods(names: list[str], ctx: MethodContext, sweep: tuple[str, list[i
             engine = Engine.from_model(ctx.model, ctx.tokenizer, head=head, method=engine_method, tree=tree,
                                        draft_hf_model=ctx.draft_model if name == "sps" else None,
                                        backend=ctx.backend, fallback=False, quantize=ctx.quantize,
-                                       exact=ctx.exact)
+                                       exact=ctx.exact, compile=ctx.compile)
             settings = {"target": type(engine.target).__name__, "quantize": ctx.quantize}
             if name != "vanilla":
                 drafter_settings = getattr(engine.drafter, "settings", None)

@@ -1,0 +1,119 @@
+"""`--compile`: the fast path's decoder layers compiled by torch.compile (inductor), for decode steps.
+
+A one-token step of a small model runs ~1,000 small operations besides its matrix products (norms, RoPE, casts,
+residual adds, cache writes), each paying the dispatcher's and OpenMP's fixed cost: ~20% of a bfloat16 step of
+SmolLM2-135M on 2 cores (benchmarks/RESULTS.md, "where the time goes"). Inductor fuses them into a few C++ loops
+per layer and, with `freezing`, packs the weights for oneDNN itself and folds the residual adds into the products.
+
+What is compiled is `fastpath.decoder_layer`, the same function the eager path runs, over all layers. Each layer's
+cache is passed as its own tensor (a view of the one cache): given the 4-d cache, the in-place write of a layer's
+rows became a copy of the whole cache per layer (functionalization), ten times slower than eager; a custom op
+hiding the write cost ~90 us of Python per call.
+
+Costs: compiling takes tens of seconds on a few cores at the first steps of a process (two graphs: one-token steps
+and multi-token verify steps; prompt prefills stay eager), inductor's on-disk cache shortens later starts; it needs
+a C++ compiler; the layers hold their weights twice (plain and packed). Off by default; quantized targets and
+`--exact` (row-by-row attention) are not compiled.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+
+from .errors import EagleSpecError
+
+
+def check_available(device: torch.device) -> None:
+    """Raise a clear error where torch.compile's backend cannot build kernels."""
+    if device.type == "cpu":
+        compilers = [os.environ.get("CXX"), "g++", "c++", "clang++"]
+        if not any(c and shutil.which(c) for c in compilers):
+            raise EagleSpecError("--compile needs a C++ compiler for torch.compile's CPU backend: install one "
+                                 "(e.g. `apt install g++`) or run without --compile")
+
+
+def linear_module(weight: Tensor, bias: Tensor | None = None) -> nn.Linear:
+    """A frozen `nn.Linear` around `weight` [N, K] (inductor's freezing packs module parameters, not free tensors)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return linear
+
+
+class _LayerModule(nn.Module):
+    """A `fastpath._Layer` whose products are `nn.Linear` modules, registered so the compiled graph owns them."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.qkv, self.o, self.gate_up, self.down = layer.qkv, layer.o, layer.gate_up, layer.down
+        self.register_buffer("input_norm", layer.input_norm)
+        self.register_buffer("post_norm", layer.post_norm)
+
+
+class DecodeStack(nn.Module):
+    """All decoder layers of one decode step: x [n, d] -> (x [n, d], the inputs of `feature_layers`)."""
+
+    def __init__(self, layers: list, heads: tuple[int, int, int], eps: float, attention_dtype: torch.dtype,
+                 feature_layers: tuple[int, ...]):
+        super().__init__()
+        self.layers = nn.ModuleList(_LayerModule(layer) for layer in layers)
+        self.heads, self.eps, self.attention_dtype = heads, eps, attention_dtype
+        self.feature_layers = tuple(feature_layers)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor], c: int,
+                mask: Tensor | None) -> tuple[Tensor, list[Tensor]]:
+        """keys, values: per layer [Hkv, capacity, hd] (views of FastTarget's cache, written in place)."""
+        from .fastpath import decoder_layer, write_and_attend
+
+        saved = []
+        for i, layer in enumerate(self.layers):
+            if i in self.feature_layers:
+                saved.append(x)
+            attend = partial(write_and_attend, keys=keys[i], values=values[i], c=c, mask=mask)
+            x = decoder_layer(layer, x, cos, sin, self.heads, self.eps, self.attention_dtype, attend)
+        return x, saved
+
+
+def compile_stack(layers: list, heads: tuple[int, int, int], eps: float, attention_dtype: torch.dtype,
+                  feature_layers: tuple[int, ...]):
+    """The compiled `DecodeStack` (compiles lazily, on its first calls; see `FastTarget.warm_up`)."""
+    # The stack's weights are frozen constants: guarding on its modules costs ~0.5 ms a call and checks nothing that
+    # can change
+    stack = torch.compile(DecodeStack(layers, heads, eps, attention_dtype, feature_layers), dynamic=True,
+                          options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+    def run(*args):
+        # freezing (weights as constants, packed by inductor) is read while compiling; passed as a compile option
+        # it was not applied (torch 2.13), so it is patched in around each call (~2 us)
+        with torch._inductor.config.patch(freezing=True):
+            return stack(*args)
+
+    return run
+
+
+def warm_up(target) -> float:
+    """Run the decode shapes once so compilation happens now, not inside a timed step; the cache is left empty.
+    Returns the seconds it took."""
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    target.reset()
+    tokens = torch.zeros(3, dtype=torch.long)
+    with tqdm(total=2, desc="torch.compile (decode steps)", unit="graph", leave=False) as bar:
+        target.forward(tokens)  # prompt prefill: eager
+        target.commit()
+        target.forward(tokens[:1])  # one-token steps
+        target.commit()
+        bar.update()
+        target.forward(tokens[:2], tree_mask=torch.ones(2, 2, dtype=torch.bool).tril_())  # verify steps
+        target.commit()
+        bar.update()
+    target.reset()
+    return time.perf_counter() - start

@@ -1,0 +1,84 @@
+"""`--compile`: the fast path's decode steps through torch.compile give the eager fast path's logits, features,
+cache and tokens (float32, tiny models). Compiling takes ~30 s on 2 cores, so the tests share a few targets."""
+
+import shutil
+
+import pytest
+import torch
+
+from eaglespec import Engine, TreeSettings
+from eaglespec.errors import EagleSpecError
+from eaglespec.fastpath import FastTarget, make_target
+
+from conftest import TinyTokenizer, make_model
+from test_engine import PROMPTS, random_head
+from test_fastpath import PROMPT, TREE
+
+needs_compiler = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
+                                    reason="torch.compile's CPU backend needs a C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("qwen2", layers=3)  # q/k/v biases and GQA
+
+
+@pytest.fixture(scope="module")
+def compiled(model):
+    target = FastTarget(model, "eagle3", initial_capacity=16, compile=True)  # capacity 16: the cache grows below
+    target.warm_up()
+    return target
+
+
+@needs_compiler
+def test_compiled_steps_match_eager_steps(model, compiled):
+    eager = FastTarget(model, "eagle3", initial_capacity=16)
+    for t in (eager, compiled):
+        t.reset()
+        t.forward(PROMPT)
+        t.commit()
+    for step in range(3):  # tree verify, commit of a path, one-token steps, a cache that grows past 16 rows
+        outs = [t.forward(TREE.tokens, TREE.positions(t.cache_len), TREE.ancestor_mask()) for t in (eager, compiled)]
+        torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(outs[1].features, outs[0].features, atol=1e-5, rtol=1e-5)
+        for t in (eager, compiled):
+            t.commit(torch.tensor([0, 1, 3]))
+        outs = [t.forward(torch.tensor([7 + step])) for t in (eager, compiled)]
+        torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-5, rtol=1e-5)
+        for t in (eager, compiled):
+            t.commit()
+    assert compiled.cache_len == eager.cache_len == PROMPT.numel() + 12 > 16
+    assert compiled.compiled_steps >= 6  # every decode step above ran through the compiled layers
+    c = compiled.cache_len
+    torch.testing.assert_close(compiled.keys[:, :, :c], eager.keys[:, :, :c], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled.values[:, :, :c], eager.values[:, :, :c], atol=1e-5, rtol=1e-5)
+
+
+@needs_compiler
+def test_compiled_speculative_decoding_gives_plain_decodings_tokens(model):
+    head = random_head(model, "eagle3")
+    plain = Engine.from_model(model, TinyTokenizer(), method="vanilla", backend="fast")
+    spec = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2", compile=True,
+                             tree=TreeSettings(total_tokens=10, depth=4, top_k=3))
+    assert spec.target.compiled and spec.target.stack is not None
+    for prompt in PROMPTS:
+        assert spec.generate(prompt, max_new_tokens=24).tokens == plain.generate(prompt, max_new_tokens=24).tokens
+    assert spec.target.compiled_steps > len(PROMPTS)
+
+
+def test_compile_is_refused_where_it_cannot_apply(model):
+    with pytest.raises(EagleSpecError, match="--compile needs the fast path"):
+        make_target(make_model("gemma3"), "final", compile=True)
+    with pytest.raises(EagleSpecError, match="--compile needs the fast path"):
+        make_target(model, "final", backend="hf", compile=True)
+    with pytest.raises(EagleSpecError, match="drop --quantize / --exact"):
+        FastTarget(model, "final", quantize="int8", compile=True)
+    with pytest.raises(EagleSpecError, match="drop --quantize / --exact"):
+        FastTarget(model, "final", row_invariant=True, compile=True)
+
+
+def test_a_missing_compiler_is_reported(model, monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(EagleSpecError, match="needs a C.. compiler"):
+        FastTarget(model, "final", compile=True)
