@@ -82,3 +82,20 @@ def test_a_missing_compiler_is_reported(model, monkeypatch):
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(EagleSpecError, match="needs a C.. compiler"):
         FastTarget(model, "final", compile=True)
+
+
+@needs_compiler
+def test_two_compiled_targets_in_one_process_keep_their_own_weights(compiled):
+    """Each target's compiled layers are its own: a second model does not reuse the first one's frozen graph."""
+    other = make_model("llama", seed=1, layers=3)
+    eager, second = FastTarget(other, "final"), FastTarget(other, "final", compile=True)
+    second.warm_up()
+    for t in (eager, second, compiled):
+        t.reset()
+        t.forward(PROMPT)
+        t.commit()
+    outs = [t.forward(torch.tensor([9])) for t in (eager, second, compiled)]
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[1].features, outs[0].features, atol=1e-5, rtol=1e-5)
+    assert outs[2].features.shape[-1] == 3 * outs[0].features.shape[-1]  # the first target still saves 3 layers
+    assert second.compiled_steps == 3  # warm-up (2) + this step
