@@ -1,6 +1,6 @@
 """Print what `--tree auto` measured and chose for a model + head, as Markdown (calibrates if not cached).
 
-    python benchmarks/scripts/tree_auto_table.py [--head DIR] [--method eagle2|chain] [--dtype float32]
+    python benchmarks/scripts/tree_auto_table.py [--head DIR] [--method eagle2|chain] [--dtype float32] [--compile] [--threads 2]
 """
 
 import argparse
@@ -12,9 +12,16 @@ parser.add_argument("--model", default="smollm2-135m")
 parser.add_argument("--head", default="auto")
 parser.add_argument("--method", default="eagle2")
 parser.add_argument("--dtype", default="auto")
+parser.add_argument("--compile", action="store_true")
+parser.add_argument("--threads", type=int, default=None)
 args = parser.parse_args()
+if args.threads:
+    import torch
 
-engine = Engine(model=args.model, head=args.head, method=args.method, dtype=args.dtype, tree="auto")
+    torch.set_num_threads(args.threads)
+
+engine = Engine(model=args.model, head=args.head, method=args.method, dtype=args.dtype, tree="auto",
+                compile=args.compile)
 choice = engine.tree_choice
 print(choice.summary(), f"(cached: {choice.cached}, {choice.positions} calibration positions)\n")
 sizes = sorted(choice.verify_ms)
