@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from eaglespec import Engine, TreeSettings
+from eaglespec.compiled import cpu_compiler_available
 from eaglespec.errors import EagleSpecError
 from eaglespec.fastpath import FastTarget, make_target
 
@@ -14,7 +15,7 @@ from conftest import TinyTokenizer, make_model
 from test_engine import PROMPTS, random_head
 from test_fastpath import PROMPT, TREE
 
-needs_compiler = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
+needs_compiler = pytest.mark.skipif(not cpu_compiler_available(),
                                     reason="torch.compile's CPU backend needs a C++ compiler")
 
 

@@ -104,8 +104,9 @@ def check_options(args: argparse.Namespace) -> None:
     if getattr(args, "draft_vocab", None) is not None and args.draft_vocab < 0:
         raise EagleSpecError(f"--draft-vocab must be 0 (full vocabulary) or a positive size, got {args.draft_vocab}")
     if getattr(args, "compile", False) and (getattr(args, "quantize", "none") != "none" or getattr(args, "exact", False)):
-        raise EagleSpecError("--compile applies to the model's own weights with batched attention: drop --quantize / "
-                             "--exact, or --compile")
+        from .compiled import CONFLICT
+
+        raise EagleSpecError(CONFLICT)
     if args.head not in ("auto", None, "") and not (Path(args.head) / "config.json").is_file():
         raise EagleSpecError(f"--head '{args.head}' is not a head folder (no config.json there)")
     if getattr(args, "prompt", None) is not None and not args.prompt.strip():

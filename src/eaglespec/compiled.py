@@ -33,13 +33,19 @@ from .errors import EagleSpecError
 
 
 RECOMPILE_LIMIT = 64  # graphs of DecodeStack.forward per process: two per compiled target
+CONFLICT = ("--compile applies to the model's own weights with batched attention: drop --quantize / --exact, "
+            "or --compile")
+
+
+def cpu_compiler_available() -> bool:
+    """True where torch.compile's CPU backend finds a C++ compiler."""
+    return any(c and shutil.which(c) for c in (os.environ.get("CXX"), "g++", "c++", "clang++"))
 
 
 def check_available(device: torch.device) -> None:
     """Raise a clear error where torch.compile's backend cannot build kernels."""
     if device.type == "cpu":
-        compilers = [os.environ.get("CXX"), "g++", "c++", "clang++"]
-        if not any(c and shutil.which(c) for c in compilers):
+        if not cpu_compiler_available():
             raise EagleSpecError("--compile needs a C++ compiler for torch.compile's CPU backend: install one "
                                  "(e.g. `apt install g++`) or run without --compile")
 

@@ -135,8 +135,7 @@ class FastTarget(TargetModel):
         self.compiled = bool(compile)
         if self.compiled:
             if self.quantize or row_invariant:
-                raise EagleSpecError("--compile applies to the model's own weights with batched attention: drop "
-                                     "--quantize / --exact, or --compile")
+                raise EagleSpecError(compiled.CONFLICT)
             compiled.check_available(self.device)
         can_pack = self.quantize is None and packed.available(self.dtype, self.device)
         if pack and not can_pack:
