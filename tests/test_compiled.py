@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from eaglespec import Engine, TreeSettings
-from eaglespec.compiled import cpu_compiler_available
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+from eaglespec.compiled import SMALL_TREE, DecodeStack, cpu_compiler_available, graph_kind
 from eaglespec.errors import EagleSpecError
 from eaglespec.fastpath import FastTarget, make_target
 
@@ -56,6 +58,28 @@ def test_compiled_steps_match_eager_steps(model, compiled):
 
 
 @needs_compiler
+def test_every_graph_kind_matches_eager_steps(model, compiled):
+    """One-token steps, small trees (inductor's own GEMM kernels on a CPU) and larger trees each run their own
+    compiled graph; all give the eager logits, features and cache rows."""
+    sizes = (1, 2, SMALL_TREE, SMALL_TREE + 1, 2 * SMALL_TREE + 3)
+    assert [graph_kind(n) for n in sizes] == ["one", "small", "small", "large", "large"]
+    eager = FastTarget(model, "eagle3", initial_capacity=16)
+    for t in (eager, compiled):
+        t.reset()
+        t.forward(PROMPT)
+        t.commit()
+    for n in sizes:
+        tokens = torch.arange(3, 3 + n)
+        outs = [t.forward(tokens, tree_mask=torch.ones(n, n, dtype=torch.bool).tril_()) for t in (eager, compiled)]
+        torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(outs[1].features, outs[0].features, atol=1e-5, rtol=1e-5)
+        for t in (eager, compiled):
+            t.commit(torch.arange(n // 2 + 1))
+    c = compiled.cache_len
+    torch.testing.assert_close(compiled.keys[:, :, :c], eager.keys[:, :, :c], atol=1e-5, rtol=1e-5)
+
+
+@needs_compiler
 def test_compiled_speculative_decoding_gives_plain_decodings_tokens(model):
     head = random_head(model, "eagle3")
     plain = Engine.from_model(model, TinyTokenizer(), method="vanilla", backend="fast")
@@ -90,7 +114,9 @@ def test_two_compiled_targets_in_one_process_keep_their_own_weights(compiled):
     """Each target's compiled layers are its own: a second model does not reuse the first one's frozen graph."""
     other = make_model("llama", seed=1, layers=3)
     eager, second = FastTarget(other, "final"), FastTarget(other, "final", compile=True)
+    graphs = len(_debug_get_cache_entry_list(DecodeStack.forward.__code__))
     second.warm_up()
+    assert len(_debug_get_cache_entry_list(DecodeStack.forward.__code__)) == graphs + 3  # one per graph kind
     for t in (eager, second, compiled):
         t.reset()
         t.forward(PROMPT)
@@ -99,4 +125,4 @@ def test_two_compiled_targets_in_one_process_keep_their_own_weights(compiled):
     torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(outs[1].features, outs[0].features, atol=1e-5, rtol=1e-5)
     assert outs[2].features.shape[-1] == 3 * outs[0].features.shape[-1]  # the first target still saves 3 layers
-    assert second.compiled_steps == 3  # warm-up (2) + this step
+    assert second.compiled_steps == 4  # warm-up (one graph per kind: 3) + this step

@@ -27,6 +27,7 @@ p.add_argument("--no-pack", action="store_true", help="leave the weights unpacke
 p.add_argument("--attention-dtype", default=None, help="KV cache / attention dtype (default: the fast path's choice)")
 p.add_argument("--compile", action="store_true", help="decode steps through torch.compile (eaglespec.compiled)")
 p.add_argument("--context", type=int, default=105, help="cached tokens before the timed forwards")
+p.add_argument("--sizes", default="1,2,4,8,16,32,64", help="comma-separated numbers of tokens per timed forward")
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 model, tokenizer = load_target("smollm2-135m", dtype=args.dtype)
@@ -48,7 +49,7 @@ print(f"dtype {args.dtype}, quantize {args.quantize}, packed {target.pack}, {arg
       f"row-invariant attention {target.row_invariant}, "
       f"{weight_mb:.0f} MB of weights read per forward (unquantized)")
 c = target.cache_len
-for n in [1, 2, 4, 8, 16, 32, 64]:
+for n in [int(v) for v in args.sizes.split(",")]:
     tokens = torch.randint(0, 1000, (n,))
     times = []
     for _ in range(12):

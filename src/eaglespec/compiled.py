@@ -32,7 +32,9 @@ from torch import Tensor, nn
 from .errors import EagleSpecError
 
 
-RECOMPILE_LIMIT = 64  # graphs of DecodeStack.forward per process: two per compiled target
+RECOMPILE_LIMIT = 64  # graphs of DecodeStack.forward per process: three per compiled target
+GRAPH_KINDS = ("one", "small", "large")
+SMALL_TREE = 4  # decode steps of 2..SMALL_TREE tokens get their own graph (see graph_kind)
 CONFLICT = ("--compile applies to the model's own weights with batched attention: drop --quantize / --exact, "
             "or --compile")
 
@@ -80,10 +82,13 @@ class DecodeStack(nn.Module):
         self.feature_layers = tuple(feature_layers)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor], c: int,
-                mask: Tensor | None) -> tuple[Tensor, list[Tensor]]:
-        """keys, values: per layer [Hkv, capacity, hd] (views of FastTarget's cache, written in place)."""
+                mask: Tensor | None, kind: str = "one") -> tuple[Tensor, list[Tensor]]:
+        """keys, values: per layer [Hkv, capacity, hd] (views of FastTarget's cache, written in place). `kind`
+        (`graph_kind`) only keys the graph: dynamo guards on it, so each kind gets its own compiled graph."""
         from .fastpath import decoder_layer, write_and_attend
 
+        if kind not in GRAPH_KINDS:  # (read here so that dynamo guards on it)
+            raise ValueError(f"unknown graph kind {kind}")
         saved = []
         for i, layer in enumerate(self.layers):
             if i in self.feature_layers:
@@ -93,19 +98,31 @@ class DecodeStack(nn.Module):
         return x, saved
 
 
+def graph_kind(n: int) -> str:
+    """Which compiled graph runs a decode step of `n` tokens: "one" (plain decoding), "small" (trees of up to
+    SMALL_TREE tokens) or "large"."""
+    return "one" if n == 1 else "small" if n <= SMALL_TREE else "large"
+
+
 def compile_stack(layers: list, heads: tuple[int, int, int], eps: float, attention_dtype: torch.dtype,
-                  feature_layers: tuple[int, ...]):
+                  feature_layers: tuple[int, ...], device: torch.device):
     """The compiled `DecodeStack` (compiles lazily, on its first calls; see `FastTarget.warm_up`)."""
     # Not `guard_filter_fn=skip_guard_on_all_nn_modules_unsafe` (0.4 ms a step less): without the guards on the
     # module a second target's stack reuses the first one's graph, frozen weights included.
     stack = torch.compile(DecodeStack(layers, heads, eps, attention_dtype, feature_layers), dynamic=True)
+    autotune_kinds = ("one", "small") if device.type == "cpu" else ()
 
-    def run(*args):
+    def run(x: Tensor, *args):
+        kind = graph_kind(x.shape[0])
         # Read while compiling, so set around each call (a few us): freezing (weights as constants, packed by
-        # inductor; as a torch.compile option it was not applied, torch 2.13), and room for more than 4 targets
-        # per process (each adds two graphs to DecodeStack.forward's cache; past the limit it would run eagerly).
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), torch._inductor.config.patch(freezing=True):
-            return stack(*args)
+        # inductor; as a torch.compile option it was not applied, torch 2.13), room for more than 4 targets per
+        # process (each adds three graphs to DecodeStack.forward's cache; past the limit it would run eagerly),
+        # and, for steps of a few rows on a CPU, inductor's own C++ GEMM kernels where they time faster than
+        # oneDNN's (max-autotune; RESULTS.md, session 14).
+        autotune = kind in autotune_kinds
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), torch._inductor.config.patch(
+                freezing=True, max_autotune=autotune, max_autotune_gemm_backends="CPP,ATEN" if autotune else "ATEN"):
+            return stack(x, *args, kind)
 
     return run
 
@@ -118,14 +135,12 @@ def warm_up(target) -> float:
     start = time.perf_counter()
     target.reset()
     tokens = torch.zeros(3, dtype=torch.long)
-    with tqdm(total=2, desc="torch.compile (decode steps)", unit="graph", leave=False) as bar:
+    with tqdm(total=3, desc="torch.compile (decode steps)", unit="graph", leave=False) as bar:
         target.forward(tokens)  # prompt prefill: eager
         target.commit()
-        target.forward(tokens[:1])  # one-token steps
-        target.commit()
-        bar.update()
-        target.forward(tokens[:2], tree_mask=torch.ones(2, 2, dtype=torch.bool).tril_())  # verify steps
-        target.commit()
-        bar.update()
+        for n in (1, 2, 2 * SMALL_TREE):  # the graphs of graph_kind; n is dynamic in the last two
+            target.forward(torch.zeros(n, dtype=torch.long), tree_mask=torch.ones(n, n, dtype=torch.bool).tril_())
+            target.commit()
+            bar.update()
     target.reset()
     return time.perf_counter() - start

@@ -163,7 +163,7 @@ class FastTarget(TargetModel):
         if self.compiled:
             features = self.eagle3_layers() if self.feature_kind == "eagle3" else ()
             self.stack = compiled.compile_stack(self.layers, (self.n_heads, self.n_kv, self.head_dim), self.eps,
-                                                self.attention_dtype, features)
+                                                self.attention_dtype, features, self.device)
         rope = getattr(c, "rope_parameters", None) or {}
         theta = float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
