@@ -10,13 +10,21 @@ cache is passed as its own tensor (a view of the one cache): given the 4-d cache
 rows became a copy of the whole cache per layer (functionalization), ten times slower than eager; a custom op
 hiding the write cost ~90 us of Python per call.
 
-Measured (SmolLM2-135M, bfloat16, 2 cores): a one-token step 21.3 -> 17.0 ms, 8 tree tokens 27.3 -> 23.0 ms;
-plain decoding on MT-bench 2.17x transformers `generate` (benchmarks/RESULTS.md, session 13).
+Three graphs, by the number of tokens n of a decode step (`graph_kind`): n = 1 (plain decoding), 2 <= n <=
+SMALL_TREE (small draft trees) and larger trees. On a CPU the first two are compiled with max-autotune: for
+products of a few rows inductor's own C++ GEMM kernels (its CPP template) beat oneDNN's packed products, which
+pay ~13 us a call and stream these layer shapes at 17-22 GB/s (autotuning timed the C++ kernels 1.1-2x faster on
+1-4 rows). For 8 rows and more they lost to oneDNN (kernels tuned for 2 rows took 38 ms at 8 against 21), so
+larger trees keep oneDNN's products in a graph of their own.
 
-Costs: compiling a target takes 1.5-2 minutes on 2 cores (two graphs: one-token steps and multi-token verify steps,
-done by `warm_up`; prompt prefills stay eager, through unpacked products); it needs a C++ compiler; the layers hold
-their weights twice (plain and packed; peak RSS +0.5 GB for SmolLM2-135M). Off by default; quantized targets and
-`--exact` (row-by-row attention) are not compiled.
+Measured (SmolLM2-135M, bfloat16, 2 cores, `benchmarks/scripts/forward_cost.py --compile`, session 14): a
+one-token step 17.9 -> 13.0 ms and 2-4 tree tokens 18.8-20.2 -> 14.3-14.5 ms against session 13's two graphs
+(same machine, same hour); 8 tokens ~21 ms either way.
+
+Costs: compiling a target takes ~4 minutes on 2 cores (three graphs, done by `warm_up`, most of it autotuning and
+building the C++ kernels; prompt prefills stay eager, through unpacked products); it needs a C++ compiler; the
+layers hold their weights twice (plain and packed; peak RSS +0.5 GB for SmolLM2-135M). Off by default; quantized
+targets and `--exact` (row-by-row attention) are not compiled.
 """
 
 from __future__ import annotations
