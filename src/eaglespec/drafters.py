@@ -183,7 +183,8 @@ class TreeGrowth:
             self.out_hidden[n] = out[row]
         return d._log_probs(out)
 
-    def _top_children(self, logp: Tensor, k: int) -> tuple[list[int], list[float]]:
+    def _top_children(self, logp: Tensor, k: int) -> tuple[list, list]:
+        """The k best children of each row of `logp` [..., Vd]: target ids and log-probs, as (nested) lists."""
         values, draft_ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
         return self.d.head.to_target_ids(draft_ids).tolist(), values.tolist()
 
@@ -195,10 +196,9 @@ class TreeGrowth:
         for t, v in zip(ids, vals):
             frontier.append(self._add(0, t, v))
         for _ in range(depth - 1):
-            logp = self._expand(frontier)  # [K, Vd]
+            ids_per_row, vals_per_row = self._top_children(self._expand(frontier), top_k)  # from [K, Vd]
             children = []
-            for row, parent in enumerate(frontier):
-                ids, vals = self._top_children(logp[row], top_k)
+            for parent, ids, vals in zip(frontier, ids_per_row, vals_per_row):
                 for t, v in zip(ids, vals):
                     children.append(self._add(parent, t, self.scores[parent] + v))
             children.sort(key=lambda c: -self.scores[c])  # stable: earlier candidates win ties
