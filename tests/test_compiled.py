@@ -9,7 +9,8 @@ import torch
 from eaglespec import Engine, TreeSettings
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from eaglespec.compiled import SMALL_TREE, DecodeStack, cpu_compiler_available, graph_kind
+from eaglespec.compiled import SMALL_TREE, DecodeStack, HeadStep, cpu_compiler_available, graph_kind
+from eaglespec.drafters import EagleDrafter
 from eaglespec.errors import EagleSpecError
 from eaglespec.fastpath import FastTarget, make_target
 
@@ -77,6 +78,31 @@ def test_every_graph_kind_matches_eager_steps(model, compiled):
             t.commit(torch.arange(n // 2 + 1))
     c = compiled.cache_len
     torch.testing.assert_close(compiled.keys[:, :, :c], eager.keys[:, :, :c], atol=1e-5, rtol=1e-5)
+
+
+@needs_compiler
+def test_compiled_head_step_drafts_the_eager_trees(model):
+    """With --compile the draft head's layer steps are compiled too: the same trees as the eager drafter, round
+    after round, from the graphs compiled when the drafter was made (no recompiles while drafting)."""
+    head = random_head(model, "eagle3")
+    target = FastTarget(model, "eagle3")
+    settings = TreeSettings(total_tokens=6, depth=3, top_k=2)
+    before = len(_debug_get_cache_entry_list(HeadStep.forward.__code__))
+    eager = EagleDrafter(head, target.embed_tokens, target.lm_head, "dynamic", settings)
+    compiled_drafter = EagleDrafter(head, target.embed_tokens, target.lm_head, "dynamic", settings, compile=True)
+    graphs = len(_debug_get_cache_entry_list(HeadStep.forward.__code__))
+    assert graphs >= before + 2  # compiled by the drafter: one row, several rows
+    gen = torch.Generator().manual_seed(0)
+    features = 3 * model.config.hidden_size
+    tokens = torch.randint(0, model.config.vocab_size, (10,), generator=gen)  # 9 committed tokens + the root
+    new_features = torch.randn(9, features, generator=gen)  # the prompt's catch-up (eager)
+    for k in (1, 3, 2, 1, 4):  # rounds that committed k tokens
+        trees = [d.draft(tokens, new_features) for d in (eager, compiled_drafter)]
+        assert torch.equal(trees[1].tokens, trees[0].tokens) and torch.equal(trees[1].parents, trees[0].parents)
+        torch.testing.assert_close(trees[1].scores, trees[0].scores, atol=1e-4, rtol=1e-4)
+        tokens = torch.cat([tokens, torch.randint(0, model.config.vocab_size, (k,), generator=gen)])
+        new_features = torch.randn(k, features, generator=gen)
+    assert len(_debug_get_cache_entry_list(HeadStep.forward.__code__)) == graphs  # no recompiles
 
 
 @needs_compiler

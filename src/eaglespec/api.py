@@ -135,7 +135,8 @@ class Engine:
                       head_name: str) -> Drafter:
         if head is not None:
             check_head_fits(head, self.target, head_name)
-            drafter = EagleDrafter(head, self.target.embed_tokens, self.target.lm_head, MODES[method], tree)
+            drafter = EagleDrafter(head, self.target.embed_tokens, self.target.lm_head, MODES[method], tree,
+                                   compile=bool(getattr(self.target, "compiled", False)))
             if getattr(self.target, "pack", False) and hasattr(drafter.head, "share_packed_lm_head"):
                 drafter.head.share_packed_lm_head(self.target.lm_head.weight, self.target.logits_head)
             return drafter

@@ -21,6 +21,12 @@ Measured (SmolLM2-135M, bfloat16, 2 cores, `benchmarks/scripts/forward_cost.py -
 one-token step 17.9 -> 13.0 ms and 2-4 tree tokens 18.8-20.2 -> 14.3-14.5 ms against session 13's two graphs
 (same machine, same hour); 8 tokens ~21 ms either way.
 
+The draft head's decoder-layer step is compiled the same way when the target is (`compile_head_step`, two or three
+graphs: one row, several rows): a draft round of the EAGLE-3 head on a 4-token tree went from 3.83 to 3.42 ms a
+step, 94.6 -> 98.6 tokens/s in an interleaved 8-prompt A/B (RESULTS.md, session 14). Its LM-head logits stay on
+oneDNN's packed products. A head step gets its past keys as contiguous [Hkv, S, hd]: the [1, Hkv, S, hd] views
+left by a rollback made dynamo recompile every round (guards on strides).
+
 Costs: compiling a target takes ~4 minutes on 2 cores (three graphs, done by `warm_up`, most of it autotuning and
 building the C++ kernels; prompt prefills stay eager, through unpacked products); it needs a C++ compiler; the
 layers hold their weights twice (plain and packed; peak RSS +0.5 GB for SmolLM2-135M). Off by default; quantized
@@ -133,6 +139,62 @@ def compile_stack(layers: list, heads: tuple[int, int, int], eps: float, attenti
             return stack(x, *args, kind)
 
     return run
+
+
+class HeadStep(nn.Module):
+    """One draft-head step as a pure function of its past keys and values, for torch.compile."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head = head
+
+    def forward(self, hidden: Tensor, token_embeds: Tensor, positions: Tensor, past_keys: Tensor,
+                past_values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """hidden, token_embeds [T, d]; past_keys/values [Hkv, S, hd] (contiguous: strides and a leading size-1
+        dimension would be guarded on, one recompile per round); mask [T, S + T]. Returns the output [T, d] and the
+        keys and values with this step's rows appended [Hkv, S + T, hd]."""
+        from .heads.layer import KVCache
+
+        cache = KVCache(num_layers=1)
+        cache.keys[0], cache.values[0] = past_keys[None], past_values[None]
+        out = self.head.step(hidden, token_embeds, positions, cache, mask)
+        return out, cache.keys[0][0], cache.values[0][0]
+
+
+def compile_head_step(head: nn.Module, device: torch.device):
+    """`head.step` with the decoder layer compiled (CPU: max-autotune, as for small target steps). Same call as
+    `DraftHead.step`; the first step of a generation (an empty head cache, the whole prompt) runs eagerly."""
+    step = torch.compile(HeadStep(head), dynamic=True)
+    autotune = device.type == "cpu"
+
+    def run(hidden: Tensor, token_embeds: Tensor, positions: Tensor, cache, mask: Tensor) -> Tensor:
+        if cache.keys[0] is None:
+            return head.step(hidden, token_embeds, positions, cache, mask)
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), torch._inductor.config.patch(
+                freezing=True, max_autotune=autotune, max_autotune_gemm_backends="CPP,ATEN" if autotune else "ATEN"):
+            # (after a rollback the cache is a view of its longer self: contiguous() copies it once a round)
+            past_keys, past_values = (t[0].contiguous() for t in (cache.keys[0], cache.values[0]))
+            out, keys, values = step(hidden, token_embeds, positions, past_keys, past_values, mask)
+        cache.keys[0], cache.values[0] = keys[None], values[None]
+        return out
+
+    return run
+
+
+@torch.inference_mode()  # as drafting runs: grad mode is guarded on
+def warm_up_head_step(run, head: nn.Module) -> None:
+    """Compile the head step's graphs now, on a throwaway cache: one row and several rows, each at two cache
+    lengths (dynamo makes a size symbolic once it has seen it change)."""
+    weight = next(head.parameters())
+    x = torch.zeros(4, head.config.hidden_size, dtype=weight.dtype, device=weight.device)
+    cache = head.new_cache()
+    run(x[:3], x[:3], torch.arange(3, device=x.device), cache, torch.ones(3, 3, dtype=torch.bool).tril_())
+    cache.commit()
+    for n in (1, 1, 2, 3):
+        c = len(cache)
+        mask = torch.ones(n, c + n, dtype=torch.bool, device=x.device)
+        run(x[:n], x[:n], torch.arange(c, c + n, device=x.device), cache, mask)
+        cache.commit()
 
 
 def warm_up(target) -> float:

@@ -71,11 +71,18 @@ class EagleDrafter(Drafter):
     needs_features = True
 
     def __init__(self, head: DraftHead, embed_tokens, lm_head, mode: str = "dynamic",
-                 settings: TreeSettings | None = None):
+                 settings: TreeSettings | None = None, compile: bool = False):
+        """`compile`: the head's decoder-layer steps through torch.compile (eaglespec.compiled; compiles here)."""
         if mode not in ("dynamic", "static", "chain"):
             raise ValueError(f"unknown draft mode {mode}")
         # The head's own linear layers packed for oneDNN on a CPU (a copy; the caller's head is left as it is).
         self.head = packed.pack_linears(head)
+        self.step = self.head.step  # (hidden, token_embeds, positions, cache, mask) -> [T, d]
+        if compile:
+            from . import compiled
+
+            self.step = compiled.compile_head_step(head, next(head.parameters()).device)
+            compiled.warm_up_head_step(self.step, head)
         self.embed_tokens, self.lm_head, self.mode = embed_tokens, lm_head, mode
         self.settings = settings or TreeSettings()
         self.name = {"dynamic": "eagle2", "static": "eagle1", "chain": "chain"}[mode]
@@ -99,7 +106,7 @@ class EagleDrafter(Drafter):
         positions = torch.arange(start, start + k, device=features.device)
         mask = torch.ones(k, start + k, dtype=torch.bool, device=features.device)
         mask[:, start:] = torch.ones(k, k, dtype=torch.bool, device=features.device).tril_()
-        out = self.head.step(hidden, self.embed_tokens(ids), positions, self.cache, mask)  # [k, d]
+        out = self.step(hidden, self.embed_tokens(ids), positions, self.cache, mask)  # [k, d]
         self.cache.commit()
         self.consumed += k
         return out[-1]
@@ -177,7 +184,7 @@ class TreeGrowth:
             for a in self._ancestors(self.parents[n]):
                 mask[row, committed + self.entry[a]] = True
             mask[row, committed + prior + row] = True
-        out = d.head.step(hidden, d.embed_tokens(ids), positions, d.cache, mask)  # [k, d]
+        out = d.step(hidden, d.embed_tokens(ids), positions, d.cache, mask)  # [k, d]
         for row, n in enumerate(nodes):
             self.entry[n] = prior + row
             self.out_hidden[n] = out[row]
