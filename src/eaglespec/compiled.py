@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -112,6 +113,15 @@ class DecodeStack(nn.Module):
         return x, saved
 
 
+@contextmanager
+def compile_settings(autotune: bool):
+    """The dynamo / inductor settings of every compiled call here (see `compile_stack`); `autotune`: let inductor's
+    C++ GEMM kernels compete with oneDNN's products (max-autotune)."""
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), torch._inductor.config.patch(
+            freezing=True, max_autotune=autotune, max_autotune_gemm_backends="CPP,ATEN" if autotune else "ATEN"):
+        yield
+
+
 def graph_kind(n: int) -> str:
     """Which compiled graph runs a decode step of `n` tokens: "one" (plain decoding), "small" (trees of up to
     SMALL_TREE tokens) or "large"."""
@@ -133,9 +143,7 @@ def compile_stack(layers: list, heads: tuple[int, int, int], eps: float, attenti
         # process (each adds three graphs to DecodeStack.forward's cache; past the limit it would run eagerly),
         # and, for steps of a few rows on a CPU, inductor's own C++ GEMM kernels where they time faster than
         # oneDNN's (max-autotune; RESULTS.md, session 14).
-        autotune = kind in autotune_kinds
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), torch._inductor.config.patch(
-                freezing=True, max_autotune=autotune, max_autotune_gemm_backends="CPP,ATEN" if autotune else "ATEN"):
+        with compile_settings(autotune=kind in autotune_kinds):
             return stack(x, *args, kind)
 
     return run
@@ -170,8 +178,7 @@ def compile_head_step(head: nn.Module, device: torch.device):
     def run(hidden: Tensor, token_embeds: Tensor, positions: Tensor, cache, mask: Tensor) -> Tensor:
         if cache.keys[0] is None:
             return head.step(hidden, token_embeds, positions, cache, mask)
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), torch._inductor.config.patch(
-                freezing=True, max_autotune=autotune, max_autotune_gemm_backends="CPP,ATEN" if autotune else "ATEN"):
+        with compile_settings(autotune):
             # (after a rollback the cache is a view of its longer self: contiguous() copies it once a round)
             past_keys, past_values = (t[0].contiguous() for t in (cache.keys[0], cache.values[0]))
             out, keys, values = step(hidden, token_embeds, positions, past_keys, past_values, mask)
