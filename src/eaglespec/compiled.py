@@ -192,14 +192,15 @@ def compile_head_step(head: nn.Module, device: torch.device):
 def warm_up_head_step(run, head: nn.Module) -> None:
     """Compile the head step's graphs now, on a throwaway cache: one row and several rows, each at two cache
     lengths (dynamo makes a size symbolic once it has seen it change)."""
+    from tqdm.auto import tqdm
+
     weight = next(head.parameters())
     x = torch.zeros(4, head.config.hidden_size, dtype=weight.dtype, device=weight.device)
     cache = head.new_cache()
-    run(x[:3], x[:3], torch.arange(3, device=x.device), cache, torch.ones(3, 3, dtype=torch.bool).tril_())
-    cache.commit()
-    for n in (1, 1, 2, 3):
-        c = len(cache)
+    for n in tqdm((3, 1, 1, 2, 3), desc="torch.compile (draft head steps)", unit="step", leave=False):
+        c = len(cache)  # 0 first: an eager step that fills the cache
         mask = torch.ones(n, c + n, dtype=torch.bool, device=x.device)
+        mask[:, c:] = torch.ones(n, n, dtype=torch.bool, device=x.device).tril_()
         run(x[:n], x[:n], torch.arange(c, c + n, device=x.device), cache, mask)
         cache.commit()
 
