@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import EagleSpecError
-from . import compiled, packed
+from . import bf16gemm, compiled, packed
 from .quant import check_mode, quantize
 from .target import TargetModel, TargetOutput
 
@@ -137,6 +137,8 @@ class FastTarget(TargetModel):
             if self.quantize or row_invariant:
                 raise EagleSpecError(compiled.CONFLICT)
             compiled.check_available(self.device)
+        # --compile on a CPU with AVX-512 BF16: decoder and LM-head products through eaglespec's own kernel
+        self.bf16_gemm = self.compiled and bf16gemm.available(self.dtype, self.device)
         can_pack = self.quantize is None and packed.available(self.dtype, self.device)
         if pack and not can_pack:
             raise EagleSpecError("pack=True needs float32 weights (or bfloat16 on a CPU with native bfloat16) on a CPU "
@@ -155,7 +157,10 @@ class FastTarget(TargetModel):
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.n_heads
         self.eps = float(c.rms_norm_eps)
         head = self.lm_head
-        self.logits_head: Linear = self._linear(head.weight, head.bias) if self.quantize or self.pack else head
+        if self.bf16_gemm:
+            self.logits_head: Linear = bf16gemm.Bf16Linear(head.weight, head.bias)
+        else:
+            self.logits_head = self._linear(head.weight, head.bias) if self.quantize or self.pack else head
         self.layers = [self._fuse(layer) for layer in self.decoder.layers]
         self.final_norm = self.decoder.norm.weight.detach()
         self.stack = None  # the compiled layers (decode steps), with --compile
@@ -163,7 +168,8 @@ class FastTarget(TargetModel):
         if self.compiled:
             features = self.eagle3_layers() if self.feature_kind == "eagle3" else ()
             self.stack = compiled.compile_stack(self.layers, (self.n_heads, self.n_kv, self.head_dim), self.eps,
-                                                self.attention_dtype, features, self.device)
+                                                self.attention_dtype, features, self.device,
+                                                autotune=not self.bf16_gemm)
         rope = getattr(c, "rope_parameters", None) or {}
         theta = float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
@@ -178,7 +184,10 @@ class FastTarget(TargetModel):
         return partial(F.linear, weight=weight.detach().contiguous(), bias=None if bias is None else bias.detach())
 
     def _layer_linear(self, weight: Tensor, bias: Tensor | None = None) -> Linear:
-        # compiled layers hold plain nn.Linear modules: inductor's freezing packs them itself
+        # compiled layers hold modules: eaglespec's bfloat16 kernel where available, else plain nn.Linear modules
+        # (inductor's freezing packs them itself)
+        if self.bf16_gemm:
+            return bf16gemm.Bf16Linear(weight, bias)
         return compiled.linear_module(weight, bias) if self.compiled else self._linear(weight, bias)
 
     def _fuse(self, layer) -> _Layer:
@@ -197,22 +206,38 @@ class FastTarget(TargetModel):
 
     # ---- static cache --------------------------------------------------------------------------------
     def _grow(self, capacity: int) -> None:
-        """(Re)allocate the cache: [layers, kv_heads, capacity, head_dim] keys and values (attention_dtype)."""
-        shape = (len(self.layers), self.n_kv, capacity, self.head_dim)
-        keys = torch.zeros(shape, dtype=self.attention_dtype, device=self.device)
-        values = torch.zeros(shape, dtype=self.attention_dtype, device=self.device)
-        if self.capacity:
-            keys[:, :, : self.capacity] = self.keys
-            values[:, :, : self.capacity] = self.values
-        self.keys, self.values, self.capacity = keys, values, capacity
-        # per-layer views [kv_heads, capacity, head_dim] for the compiled layers: written in place there, where a
-        # write into a slice of the 4-d cache became a copy of all of it per layer
-        self.layer_keys, self.layer_values = list(keys.unbind(0)), list(values.unbind(0))
+        """(Re)allocate the cache: per layer, [kv_heads, capacity, head_dim] keys and values (attention_dtype).
+
+        One tensor per layer, each its own storage: the compiled layers write them in place, and views of one
+        [layers, ...] tensor made dynamo check every pair of layers' written slices for overlap before each call
+        (3,800 Python guards for 30 layers, ~1 ms a step; a write into a slice of the 4-d tensor itself became a
+        copy of all of it per layer)."""
+        def grown(old: Tensor | None) -> Tensor:
+            new = torch.zeros(self.n_kv, capacity, self.head_dim, dtype=self.attention_dtype, device=self.device)
+            if old is not None:
+                new[:, : self.capacity] = old
+            return new
+
+        old_keys, old_values = (getattr(self, name, None) or [None] * len(self.layers)
+                                for name in ("layer_keys", "layer_values"))
+        self.layer_keys = [grown(old) for old in old_keys]
+        self.layer_values = [grown(old) for old in old_values]
+        self.capacity = capacity
         positions = torch.arange(capacity, dtype=torch.float32)
         angles = positions[:, None] * self.inv_freq[None]  # [capacity, hd/2]
         emb = torch.cat([angles, angles], dim=-1)
         self.cos = emb.cos().to(self.dtype).to(self.device)  # [capacity, hd]
         self.sin = emb.sin().to(self.dtype).to(self.device)
+
+    @property
+    def keys(self) -> Tensor:
+        """A copy of the key cache, [layers, kv_heads, capacity, head_dim] (for inspection)."""
+        return torch.stack(self.layer_keys)
+
+    @property
+    def values(self) -> Tensor:
+        """A copy of the value cache, [layers, kv_heads, capacity, head_dim] (for inspection)."""
+        return torch.stack(self.layer_values)
 
     def reset(self) -> None:
         self.cache_len = 0
@@ -237,8 +262,8 @@ class FastTarget(TargetModel):
                 start += 1
             if start < m:
                 rows = c + keep[start:].to(self.device)
-                self.keys[:, :, c + start : c + m] = self.keys[:, :, rows]  # gather first (a copy), then write
-                self.values[:, :, c + start : c + m] = self.values[:, :, rows]
+                for cache in (*self.layer_keys, *self.layer_values):
+                    cache[:, c + start : c + m] = cache[:, rows]  # gather first (a copy), then write
             self.cache_len += m
         self._pending = 0
 
@@ -257,8 +282,8 @@ class FastTarget(TargetModel):
 
     def _write_and_attend_rows(self, layer: int, rows: list[int | Tensor], q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         c, n = self.cache_len, q.shape[1]
-        self.keys[layer, :, c : c + n] = k
-        self.values[layer, :, c : c + n] = v
+        self.layer_keys[layer][:, c : c + n] = k
+        self.layer_values[layer][:, c : c + n] = v
         return self._attend_rows(layer, q, k, v, rows)
 
     def _attend_rows(self, layer: int, q: Tensor, k: Tensor, v: Tensor, rows: list[int | Tensor]) -> Tensor:
@@ -268,7 +293,7 @@ class FastTarget(TargetModel):
 
         A row whose path is not the first rows of the step gets its path copied into cache rows c..c+L-1 (a few
         rows; the prefix is never copied) and attends to the slice [0, c + L); those rows are restored after."""
-        keys, values = self.keys[layer], self.values[layer]  # [Hkv, capacity, hd]
+        keys, values = self.layer_keys[layer], self.layer_values[layer]  # [Hkv, capacity, hd]
         c, gqa = self.cache_len, self.n_heads != self.n_kv
         out: list[Tensor | None] = [None] * len(rows)
 
@@ -331,7 +356,8 @@ class FastTarget(TargetModel):
                 if i in feature_layers:
                     saved.append(x)
                 if rows is None:
-                    attend = partial(write_and_attend, keys=self.keys[i], values=self.values[i], c=c, mask=mask)
+                    attend = partial(write_and_attend, keys=self.layer_keys[i], values=self.layer_values[i], c=c,
+                                     mask=mask)
                 else:
                     attend = partial(self._write_and_attend_rows, i, rows)
                 x = decoder_layer(layer, x, cos, sin, heads, self.eps, self.attention_dtype, attend)

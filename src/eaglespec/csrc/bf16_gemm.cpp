@@ -1,0 +1,137 @@
+// Few-row bfloat16 products for CPUs with AVX-512 BF16: y[M, N] = x[M, K] W[N, K]^T (+ b), float32 accumulation.
+//
+// Decode steps and draft-tree verification multiply 1-16 rows by every weight matrix of the model, so they are
+// bound by reading the weights (and, from ~8 rows on 2 cores, by bfloat16 arithmetic). The weight is packed once
+// (`bf16_pack`) into groups of 64 output columns, k-pairs innermost: [N/64][K/2][64][2]. One 64-byte load then
+// holds two k-values of 16 columns, the layout of vdpbf16ps's second operand; the first operand is a pair of x
+// values broadcast to all lanes. Each tile keeps up to 6 rows x 4 column vectors of float32 accumulators in
+// registers (24 of the 32) and streams the group's weights once per tile; no horizontal sums are needed.
+//
+// Every output element is the same ordered sum over k-pairs whatever the number of rows in the call and the row's
+// place in it: a row gets the same bits in a one-token step as in a verified draft tree (row-invariant).
+// Threads: at::parallel_for over column groups (torch's intra-op thread pool, i.e. --threads).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kGroup = 64;    // output columns per packed group: 4 vectors of 16 float32 lanes
+constexpr int64_t kVectors = 4;   // accumulator vectors per row in a tile
+constexpr int64_t kMaxRows = 6;   // rows per tile: 6 x 4 accumulators + 4 weight vectors + 1 broadcast <= 32 zmm
+
+// [N, K] bfloat16 -> [ceil(N/64), ceil(K/2), 64, 2] bfloat16, zero padded.
+at::Tensor bf16_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "bf16_pack: weight must be [N, K] bfloat16");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t n_pad = (n + kGroup - 1) / kGroup * kGroup, k_pad = (k + 1) / 2 * 2;
+  at::Tensor padded = at::zeros({n_pad, k_pad}, weight.options());
+  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
+  return padded.view({n_pad / kGroup, kGroup, k_pad / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// Rows [0, ROWS) of x (row stride ldx, k_pairs pairs each) times one packed group -> y columns [0, columns).
+template <int ROWS>
+void tile(const uint16_t* x, int64_t ldx, const uint16_t* group, int64_t k_pairs, const float* bias,
+          uint16_t* y, int64_t ldy, int64_t columns) {
+  __m512 acc[ROWS][kVectors];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_setzero_ps();
+  const uint16_t* w = group;
+  for (int64_t p = 0; p < k_pairs; ++p, w += kGroup * 2) {
+    __m512i wv[kVectors];
+#pragma GCC unroll 4
+    for (int v = 0; v < kVectors; ++v) wv[v] = _mm512_loadu_si512(w + v * 32);
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * p, sizeof(pair));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb, (__m512bh)wv[v]);
+    }
+  }
+  for (int v = 0; v < kVectors; ++v) {
+    const int64_t col = v * 16;
+    if (col >= columns) break;
+    const int64_t left = columns - col;
+    const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][v], b));
+      _mm256_mask_storeu_epi16(y + r * ldy + col, mask, out);
+    }
+  }
+}
+
+void rows_tile(int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* group, int64_t k_pairs,
+               const float* bias, uint16_t* y, int64_t ldy, int64_t columns) {
+  switch (rows) {
+    case 1: return tile<1>(x, ldx, group, k_pairs, bias, y, ldy, columns);
+    case 2: return tile<2>(x, ldx, group, k_pairs, bias, y, ldy, columns);
+    case 3: return tile<3>(x, ldx, group, k_pairs, bias, y, ldy, columns);
+    case 4: return tile<4>(x, ldx, group, k_pairs, bias, y, ldy, columns);
+    case 5: return tile<5>(x, ldx, group, k_pairs, bias, y, ldy, columns);
+    case 6: return tile<6>(x, ldx, group, k_pairs, bias, y, ldy, columns);
+    default: TORCH_CHECK(false, "bf16_linear: tile of ", rows, " rows");
+  }
+}
+
+// x [M, K] bfloat16, packed from bf16_pack of a [n, K] weight, bias [n] or none -> [M, n] bfloat16.
+at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
+                       const std::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "bf16_linear: x must be [M, K] bfloat16");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kGroup && packed.size(3) == 2 &&
+                  packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
+              "bf16_linear: packed must come from bf16_pack");
+  const int64_t m = x_in.size(0), k = x_in.size(1), k_pairs = packed.size(1), groups = packed.size(0);
+  TORCH_CHECK((k + 1) / 2 == k_pairs && n > (groups - 1) * kGroup && n <= groups * kGroup,
+              "bf16_linear: x [", m, ", ", k, "] does not match the packed weight (", n, " outputs)");
+  at::Tensor x = x_in.contiguous();
+  if (k % 2) x = at::constant_pad_nd(x, {0, 1});
+  at::Tensor bias;
+  if (bias_in.has_value()) {
+    bias = bias_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n, "bf16_linear: bias must be [", n, "]");
+  }
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  const int64_t ldx = x.size(1), tiles = (m + kMaxRows - 1) / kMaxRows;
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const uint16_t* group = wp + g * k_pairs * kGroup * 2;
+      const int64_t col = g * kGroup, columns = std::min(kGroup, n - col);
+      int64_t row = 0;
+      for (int64_t t = 0; t < tiles; ++t) {  // near-equal tiles: 8 rows = 4 + 4, not 6 + 2
+        const int64_t rows = (m - row) / (tiles - t);
+        rows_tile(rows, xp + row * ldx, ldx, group, k_pairs, bp ? bp + col : nullptr, yp + row * n + col, n, columns);
+        row += rows;
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(eaglespec, m) {
+  m.def("bf16_pack(Tensor weight) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
+  m.impl("bf16_pack", bf16_pack);
+  m.impl("bf16_linear", bf16_linear);
+}

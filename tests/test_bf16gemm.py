@@ -1,0 +1,100 @@
+"""eaglespec's few-row bfloat16 kernel (eaglespec.bf16gemm): the float32-accumulated product rounded once, the same
+bits for a row whatever else is in the call, shapes that do not fill its tiles, and use inside torch.compile and
+by a compiled bfloat16 target. Skipped where the CPU lacks AVX-512 BF16 or no C++ compiler exists."""
+
+import pytest
+import torch
+
+from eaglespec import bf16gemm
+from eaglespec.compiled import cpu_compiler_available
+from eaglespec.fastpath import FastTarget
+
+from conftest import make_model
+from test_fastpath import PROMPT, TREE
+
+pytestmark = [
+    pytest.mark.skipif(not bf16gemm.cpu_supported(), reason="this CPU has no AVX-512 BF16"),
+    pytest.mark.skipif(not cpu_compiler_available(), reason="building the kernel needs a C++ compiler"),
+]
+
+# (N, K, bias): model-like shapes, a partial last column group, odd input widths (padded to k-pairs), tiny ones
+SHAPES = [(960, 576, False), (576, 1536, True), (100, 577, True), (7, 3, False), (130, 64, True)]
+
+
+def reference(x, weight, bias):
+    y = x.double() @ weight.double().T  # exact products of bfloat16 values
+    return (y if bias is None else y + bias.double()).float()
+
+
+@pytest.mark.parametrize("n,k,with_bias", SHAPES)
+def test_matches_the_product_and_is_row_invariant(n, k, with_bias):
+    torch.manual_seed(n + k)
+    weight = torch.randn(n, k).bfloat16()
+    bias = torch.randn(n).bfloat16() if with_bias else None
+    linear = bf16gemm.Bf16Linear(weight, bias)
+    x = torch.randn(17, k).bfloat16()
+    whole = linear(x)  # [17, n]: tiles of 6 + 6 + 5 rows
+    assert whole.dtype == torch.bfloat16 and whole.shape == (17, n)
+    exact = reference(x, weight, bias)
+    # float32 accumulation, one rounding to bfloat16: within a bfloat16 ulp of the exact value, plus the float32
+    # sum's own error (K terms)
+    bound = exact.abs() * 2**-8 + 1e-5 * k * (x.float().abs() @ weight.float().abs().T)
+    assert ((whole.float() - exact).abs() <= bound).all()
+    for rows in (1, 2, 5, 6, 7, 8, 16):  # every tile size and split
+        part = linear(x[:rows])
+        assert torch.equal(part, whole[:rows]), f"rows of a {rows}-row call differ from the 17-row call"
+    assert torch.equal(linear(x[9:10]), whole[9:10])
+
+
+def test_leading_dimensions_and_empty_input():
+    weight = torch.randn(70, 32).bfloat16()
+    linear = bf16gemm.Bf16Linear(weight)
+    x = torch.randn(2, 3, 32).bfloat16()
+    assert torch.equal(linear(x), linear(x.reshape(6, 32)).view(2, 3, 70))
+    assert linear(x[:0]).shape == (0, 3, 70)
+
+
+def test_mismatched_input_is_a_clear_error():
+    linear = bf16gemm.Bf16Linear(torch.randn(64, 32).bfloat16())
+    with pytest.raises(RuntimeError, match="does not match the packed weight"):
+        torch.ops.eaglespec.bf16_linear(torch.randn(2, 40).bfloat16(), linear.packed, 64, None)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.eaglespec.bf16_linear(torch.randn(2, 32), linear.packed, 64, None)
+
+
+def test_inside_torch_compile():
+    torch.manual_seed(0)
+    up, down = bf16gemm.Bf16Linear(torch.randn(96, 64).bfloat16()), bf16gemm.Bf16Linear(torch.randn(64, 96).bfloat16())
+
+    def block(x):
+        return x + down(torch.nn.functional.silu(up(x)))
+
+    x = torch.randn(3, 64).bfloat16()
+    compiled = torch.compile(block, dynamic=True)
+    assert torch.equal(compiled(x), block(x))
+    assert torch.equal(compiled(x[:2]), block(x[:2]))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("qwen2", layers=2).to(torch.bfloat16)  # q/k/v biases and GQA
+
+
+def test_compiled_bfloat16_target_uses_the_kernel(model):
+    eager = FastTarget(model, "final")
+    compiled = FastTarget(model, "final", compile=True)
+    assert compiled.bf16_gemm and not eager.bf16_gemm
+    assert isinstance(compiled.logits_head, bf16gemm.Bf16Linear)
+    assert all(isinstance(layer.qkv, bf16gemm.Bf16Linear) for layer in compiled.layers)
+    compiled.warm_up()
+    for t in (eager, compiled):
+        t.reset()
+        t.forward(PROMPT)
+        t.commit()
+    steps = compiled.compiled_steps
+    outs = [t.forward(TREE.tokens, TREE.positions(t.cache_len), TREE.ancestor_mask()) for t in (eager, compiled)]
+    assert compiled.compiled_steps == steps + 1
+    # bfloat16 products of another kernel (other sums, other roundings): close, not equal
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=0.1, rtol=0.05)
+    torch.testing.assert_close(outs[1].features.float(), outs[0].features.float(), atol=0.05, rtol=0.05)
+    assert torch.equal(outs[1].logits.argmax(-1), outs[0].logits.argmax(-1))
