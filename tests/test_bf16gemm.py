@@ -98,3 +98,35 @@ def test_compiled_bfloat16_target_uses_the_kernel(model):
     torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=0.1, rtol=0.05)
     torch.testing.assert_close(outs[1].features.float(), outs[0].features.float(), atol=0.05, rtol=0.05)
     assert torch.equal(outs[1].logits.argmax(-1), outs[0].logits.argmax(-1))
+
+
+def test_compiled_bfloat16_drafter_runs_its_head_through_the_kernel(model):
+    """Under --compile a bfloat16 head's products (layer step, EAGLE-3 fusion, draft LM head) use the kernel: the
+    compiled drafter drafts what an eager drafter over the same kernel drafts, with no recompiles."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from eaglespec import TreeSettings
+    from eaglespec.compiled import HeadStep
+    from eaglespec.drafters import EagleDrafter
+    from test_engine import random_head
+
+    head = random_head(model, "eagle3").to(torch.bfloat16)
+    target = FastTarget(model, "eagle3")
+    settings = TreeSettings(total_tokens=6, depth=3, top_k=2)
+    compiled = EagleDrafter(head, target.embed_tokens, target.lm_head, "dynamic", settings, compile=True)
+    kernel_layers = [m for m in compiled.head.modules() if isinstance(m, bf16gemm.Bf16Linear)]
+    assert len(kernel_layers) == sum(isinstance(m, torch.nn.Linear) for m in head.modules()) > 0
+    eager = EagleDrafter(bf16gemm.with_kernel(head), target.embed_tokens, target.lm_head, "dynamic", settings)
+    graphs = len(_debug_get_cache_entry_list(HeadStep.forward.__code__))
+    gen = torch.Generator().manual_seed(0)
+    features = 3 * model.config.hidden_size
+    tokens = torch.randint(0, model.config.vocab_size, (10,), generator=gen)
+    new_features = torch.randn(9, features, generator=gen).bfloat16()
+    for k in (1, 3, 2):
+        trees = [d.draft(tokens, new_features) for d in (eager, compiled)]
+        assert torch.equal(trees[1].tokens, trees[0].tokens) and torch.equal(trees[1].parents, trees[0].parents)
+        # inductor rounds fused elementwise work to bfloat16 once, eager after each op: close scores
+        torch.testing.assert_close(trees[1].scores, trees[0].scores, atol=0.05, rtol=0.02)
+        tokens = torch.cat([tokens, torch.randint(0, model.config.vocab_size, (k,), generator=gen)])
+        new_features = torch.randn(k, features, generator=gen).bfloat16()
+    assert len(_debug_get_cache_entry_list(HeadStep.forward.__code__)) == graphs

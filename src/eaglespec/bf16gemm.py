@@ -79,3 +79,12 @@ class Bf16Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)  # [M, K]
         y = torch.ops.eaglespec.bf16_linear(rows, self.packed, self.out_features, self.bias)  # [M, N]
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def with_kernel(module: nn.Module) -> nn.Module:
+    """A copy of `module` whose bfloat16 CPU `nn.Linear` layers run through the kernel (the draft heads under
+    `--compile`: their layer step, EAGLE-3's fusion and draft LM head)."""
+    from .packed import replace_linears
+
+    return replace_linears(module, lambda linear: Bf16Linear(linear.weight, linear.bias)
+                           if available(linear.weight.dtype, linear.weight.device) else None)

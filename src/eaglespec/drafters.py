@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import packed
+from . import bf16gemm, packed
 from .errors import EagleSpecError
 from .heads.base import DraftHead
 from .tree import EAGLE1_CHOICES, DraftTree, validate_choices
@@ -75,14 +75,18 @@ class EagleDrafter(Drafter):
         """`compile`: the head's decoder-layer steps through torch.compile (eaglespec.compiled; compiles here)."""
         if mode not in ("dynamic", "static", "chain"):
             raise ValueError(f"unknown draft mode {mode}")
-        # The head's own linear layers packed for oneDNN on a CPU (a copy; the caller's head is left as it is).
-        self.head = packed.pack_linears(head)
+        # The head's own linear layers packed for oneDNN on a CPU (a copy; the caller's head is left as it is); with
+        # `compile`, through eaglespec's bfloat16 kernel where it applies (eaglespec.bf16gemm).
+        weight = next(head.parameters())
+        kernel = compile and bf16gemm.available(weight.dtype, weight.device)
+        self.head = bf16gemm.with_kernel(head) if kernel else packed.pack_linears(head)
         self.step = self.head.step  # (hidden, token_embeds, positions, cache, mask) -> [T, d]
         if compile:
             from . import compiled
 
-            self.step = compiled.compile_head_step(head, next(head.parameters()).device)
-            compiled.warm_up_head_step(self.step, head)
+            step_head = self.head if kernel else head  # (inductor packs plain nn.Linear layers itself)
+            self.step = compiled.compile_head_step(step_head, weight.device)
+            compiled.warm_up_head_step(self.step, step_head)
         self.embed_tokens, self.lm_head, self.mode = embed_tokens, lm_head, mode
         self.settings = settings or TreeSettings()
         self.name = {"dynamic": "eagle2", "static": "eagle1", "chain": "chain"}[mode]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -108,12 +109,18 @@ class PackedLinearModule(nn.Module):
         return self.linear(x)
 
 
-def pack_linears(module: nn.Module) -> nn.Module:
-    """A copy of `module` for inference in which every CPU `nn.Linear` that `available` allows is packed (the rest
-    is as it was). The draft heads use it: a draft step multiplies 1-10 rows, where unpacked products cost most."""
+def replace_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module | None]) -> nn.Module:
+    """A copy of `module` in which every `nn.Linear` is replaced by `make(linear)`, where that is not None."""
     out = copy.deepcopy(module)
     for parent in out.modules():
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and available(child.weight.dtype, child.weight.device):
-                setattr(parent, name, PackedLinearModule(child))
+            if isinstance(child, nn.Linear) and (replacement := make(child)) is not None:
+                setattr(parent, name, replacement)
     return out
+
+
+def pack_linears(module: nn.Module) -> nn.Module:
+    """A copy of `module` for inference in which every CPU `nn.Linear` that `available` allows is packed (the rest
+    is as it was). The draft heads use it: a draft step multiplies 1-10 rows, where unpacked products cost most."""
+    return replace_linears(module, lambda linear: PackedLinearModule(linear)
+                           if available(linear.weight.dtype, linear.weight.device) else None)
