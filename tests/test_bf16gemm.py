@@ -100,9 +100,11 @@ def test_compiled_bfloat16_target_uses_the_kernel(model):
     assert torch.equal(outs[1].logits.argmax(-1), outs[0].logits.argmax(-1))
 
 
-def test_compiled_bfloat16_drafter_runs_its_head_through_the_kernel(model):
-    """Under --compile a bfloat16 head's products (layer step, EAGLE-3 fusion, draft LM head) use the kernel: the
-    compiled drafter drafts what an eager drafter over the same kernel drafts, with no recompiles."""
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_compiled_bfloat16_drafter_runs_its_head_through_the_kernel(model, kind):
+    """Under --compile a bfloat16 head's products (layer step, EAGLE-3 fusion, draft LM head or EAGLE-1's rows of
+    the target's) use the kernel: the compiled drafter drafts what an eager drafter over the same kernel drafts, with
+    no recompiles."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from eaglespec import TreeSettings
@@ -110,16 +112,20 @@ def test_compiled_bfloat16_drafter_runs_its_head_through_the_kernel(model):
     from eaglespec.drafters import EagleDrafter
     from test_engine import random_head
 
-    head = random_head(model, "eagle3").to(torch.bfloat16)
-    target = FastTarget(model, "eagle3")
+    head = random_head(model, kind).to(torch.bfloat16)
+    target = FastTarget(model, "eagle3" if kind == "eagle3" else "final")
     settings = TreeSettings(total_tokens=6, depth=3, top_k=2)
     compiled = EagleDrafter(head, target.embed_tokens, target.lm_head, "dynamic", settings, compile=True)
     kernel_layers = [m for m in compiled.head.modules() if isinstance(m, bf16gemm.Bf16Linear)]
     assert len(kernel_layers) == sum(isinstance(m, torch.nn.Linear) for m in head.modules()) > 0
-    eager = EagleDrafter(bf16gemm.with_kernel(head), target.embed_tokens, target.lm_head, "dynamic", settings)
+    eager_head = bf16gemm.with_kernel(head)
+    if kind == "eagle1":
+        assert compiled.head.pack_rows is bf16gemm.Bf16Linear
+        eager_head.pack_rows = bf16gemm.Bf16Linear
+    eager = EagleDrafter(eager_head, target.embed_tokens, target.lm_head, "dynamic", settings)
     graphs = len(_debug_get_cache_entry_list(HeadStep.forward.__code__))
     gen = torch.Generator().manual_seed(0)
-    features = 3 * model.config.hidden_size
+    features = (3 if kind == "eagle3" else 1) * model.config.hidden_size
     tokens = torch.randint(0, model.config.vocab_size, (10,), generator=gen)
     new_features = torch.randn(9, features, generator=gen).bfloat16()
     for k in (1, 3, 2):

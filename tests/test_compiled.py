@@ -106,6 +106,31 @@ def test_compiled_head_step_drafts_the_eager_trees(model):
 
 
 @needs_compiler
+def test_two_compiled_heads_keep_their_own_weights(model):
+    """Guards on the head's module are dropped (compiled.without_module_guards): each head step's `owner` keeps a
+    second head from running the first one's frozen graph."""
+    target = FastTarget(model, "eagle3")
+    settings = TreeSettings(total_tokens=6, depth=3, top_k=2)
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, model.config.vocab_size, (10,), generator=gen)
+    new_features = torch.randn(9, 3 * model.config.hidden_size, generator=gen)
+    more = torch.randint(0, model.config.vocab_size, (1,), generator=gen)
+    more_features = torch.randn(1, 3 * model.config.hidden_size, generator=gen)
+    trees = []
+    for seed in (5, 6):
+        head = random_head(model, "eagle3", seed=seed)
+        pair = [EagleDrafter(head, target.embed_tokens, target.lm_head, "dynamic", settings, compile=compile)
+                for compile in (False, True)]
+        for d in pair:
+            d.draft(tokens, new_features)  # the prompt's catch-up (eager)
+        eager, compiled_tree = (d.draft(torch.cat([tokens, more]), more_features) for d in pair)  # compiled steps
+        assert torch.equal(compiled_tree.tokens, eager.tokens)
+        torch.testing.assert_close(compiled_tree.scores, eager.scores, atol=1e-4, rtol=1e-4)
+        trees.append(eager)
+    assert not torch.equal(trees[0].scores, trees[1].scores)  # two different heads
+
+
+@needs_compiler
 def test_compiled_speculative_decoding_gives_plain_decodings_tokens(model):
     head = random_head(model, "eagle3")
     plain = Engine.from_model(model, TinyTokenizer(), method="vanilla", backend="fast")

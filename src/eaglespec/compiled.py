@@ -6,35 +6,41 @@ SmolLM2-135M on 2 cores (benchmarks/RESULTS.md, "where the time goes"). Inductor
 per layer and, with `freezing`, packs the weights for oneDNN itself and folds the residual adds into the products.
 
 What is compiled is `fastpath.decoder_layer`, the same function the eager path runs, over all layers. Each layer's
-cache is passed as its own tensor (a view of the one cache): given the 4-d cache, the in-place write of a layer's
-rows became a copy of the whole cache per layer (functionalization), ten times slower than eager; a custom op
-hiding the write cost ~90 us of Python per call.
+cache is passed as its own tensor: given one 4-d cache, the in-place write of a layer's rows became a copy of the
+whole cache per layer (functionalization), ten times slower than eager, and per-layer views of it cost ~1 ms of
+guards a call (below); a custom op hiding the write cost ~90 us of Python per call.
 
 Three graphs, by the number of tokens n of a decode step (`graph_kind`): n = 1 (plain decoding), 2 <= n <=
-SMALL_TREE (small draft trees) and larger trees. On a CPU the first two are compiled with max-autotune: for
-products of a few rows inductor's own C++ GEMM kernels (its CPP template) beat oneDNN's packed products, which
-pay ~13 us a call and stream these layer shapes at 17-22 GB/s (autotuning timed the C++ kernels 1.1-2x faster on
-1-4 rows). For 8 rows and more they lost to oneDNN (kernels tuned for 2 rows took 38 ms at 8 against 21), so
-larger trees keep oneDNN's products in a graph of their own.
+SMALL_TREE (small draft trees) and larger trees. Their matrix products:
+- bfloat16 weights on a CPU with AVX-512 BF16: eaglespec's own kernel (`bf16gemm`, an operator the graphs call),
+  which reads each weight once per call and multiplies with bfloat16 dot products; rows cost little until ~6.
+- elsewhere on a CPU (float32, other CPUs): the first two graphs are compiled with max-autotune, where inductor's
+  own C++ GEMM kernels (its CPP template) beat oneDNN's packed products on 1-4 rows (oneDNN pays ~13 us a call
+  and streams these layer shapes at 17-22 GB/s); for 8 rows and more they lost to oneDNN (kernels tuned for 2
+  rows took 38 ms at 8 against 21), so larger trees keep oneDNN's products.
 
-Measured (SmolLM2-135M, bfloat16, 2 cores, `benchmarks/scripts/forward_cost.py --compile`, session 14): a
-one-token step 17.9 -> 13.0 ms and 2-4 tree tokens 18.8-20.2 -> 14.3-14.5 ms against session 13's two graphs
-(same machine, same hour); 8 tokens ~21 ms either way.
+Measured (SmolLM2-135M, bfloat16, 2 cores, `benchmarks/scripts/forward_cost.py --compile`): session 14 (autotuned
+C++ GEMM / oneDNN) a one-token step 13.0 ms, 2-4 tree tokens 14.3-14.5 ms, 8 tokens ~21, 16 tokens 26.6;
+session 15 (the kernel, per-layer caches, C++ wrapper) 11.8, 12.3-12.8 ms up to 6 tokens, 15.3 at 8, 20.4 at 16.
+
+The graphs are called from C++ (inductor's `cpp_wrapper`) without per-call size assertions, and the KV cache is
+one tensor per layer (FastTarget._grow): dynamo's guards over views of one cache tensor cost ~1 ms a call.
 
 The draft head's decoder-layer step is compiled the same way when the target is (`compile_head_step`, two or three
-graphs: one row, several rows): a draft round of the EAGLE-3 head on a 4-token tree went from 3.83 to 3.42 ms a
-step, 94.6 -> 98.6 tokens/s in an interleaved 8-prompt A/B (RESULTS.md, session 14). Its LM-head logits stay on
-oneDNN's packed products. A head step gets its past keys as contiguous [Hkv, S, hd]: the [1, Hkv, S, hd] views
-left by a rollback made dynamo recompile every round (guards on strides).
+graphs: one row, several rows); a bfloat16 head's products (step, fusion, draft LM head) then use the kernel too.
+Session 14 (before the kernel): a draft round of the EAGLE-3 head on a 4-token tree went from 3.83 to 3.42 ms a
+step. A head step gets its past keys as contiguous [Hkv, S, hd]: the [1, Hkv, S, hd] views left by a rollback made
+dynamo recompile every round (guards on strides).
 
-Costs: compiling a target takes ~4 minutes on 2 cores (three graphs, done by `warm_up`, most of it autotuning and
-building the C++ kernels; prompt prefills stay eager, through unpacked products); it needs a C++ compiler; the
-layers hold their weights twice (plain and packed; peak RSS +0.5 GB for SmolLM2-135M). Off by default; quantized
-targets and `--exact` (row-by-row attention) are not compiled.
+Costs: compiling a target takes ~1-4 minutes on 2 cores (three graphs, done by `warm_up`; inductor's on-disk cache
+makes later processes faster; prompt prefills stay eager); it needs a C++ compiler; the layers hold their weights
+twice (the model's and the packed copy; peak RSS +0.5 GB for SmolLM2-135M). Off by default; quantized targets and
+`--exact` (row-by-row attention) are not compiled.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import time
@@ -95,15 +101,17 @@ class DecodeStack(nn.Module):
         self.layers = nn.ModuleList(_LayerModule(layer) for layer in layers)
         self.heads, self.eps, self.attention_dtype = heads, eps, attention_dtype
         self.feature_layers = tuple(feature_layers)
+        self.owner = new_owner()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor], c: int,
-                mask: Tensor | None, kind: str = "one") -> tuple[Tensor, list[Tensor]]:
-        """keys, values: per layer [Hkv, capacity, hd] (views of FastTarget's cache, written in place). `kind`
-        (`graph_kind`) only keys the graph: dynamo guards on it, so each kind gets its own compiled graph."""
+                mask: Tensor | None, kind: str, owner: str) -> tuple[Tensor, list[Tensor]]:
+        """keys, values: per layer [Hkv, capacity, hd] (FastTarget's cache, written in place). `kind` (`graph_kind`)
+        and `owner` (this module's `owner`) only key the graph: dynamo guards on them, so each kind of step of each
+        target gets its own compiled graph (`compile_stack` drops the guards on the module itself)."""
         from .fastpath import decoder_layer, write_and_attend
 
-        if kind not in GRAPH_KINDS:  # (read here so that dynamo guards on it)
-            raise ValueError(f"unknown graph kind {kind}")
+        if kind not in GRAPH_KINDS or owner != self.owner:  # (read here so that dynamo guards on them)
+            raise ValueError(f"graph kind {kind} of {owner} called on {self.owner}")
         saved = []
         for i, layer in enumerate(self.layers):
             if i in self.feature_layers:
@@ -127,6 +135,21 @@ def compile_settings(autotune: bool):
         yield
 
 
+_OWNERS = itertools.count()
+
+
+def new_owner() -> str:
+    """A name no other compiled module of this process has (ids of dead objects are reused; this is not)."""
+    return f"compiled-{next(_OWNERS)}"
+
+
+def without_module_guards(guard_entries) -> list[bool]:
+    """`guard_filter_fn` for torch.compile: check no attribute of the compiled nn.Module before a call (its weights
+    are frozen into the graph and never change). Each DecodeStack / HeadStep passes its `owner` as an argument
+    instead, which dynamo guards on, so another target's module never runs this one's graph."""
+    return torch.compiler.skip_guard_on_all_nn_modules_unsafe(guard_entries)
+
+
 def graph_kind(n: int) -> str:
     """Which compiled graph runs a decode step of `n` tokens: "one" (plain decoding), "small" (trees of up to
     SMALL_TREE tokens) or "large"."""
@@ -138,9 +161,9 @@ def compile_stack(layers: list, heads: tuple[int, int, int], eps: float, attenti
     """The compiled `DecodeStack` (compiles lazily, on its first calls; see `FastTarget.warm_up`). `autotune`: on a
     CPU, let inductor's C++ GEMM kernels compete for the products of one-token and small-tree steps (pointless
     where the layers' products are eaglespec's own kernel, `bf16gemm`)."""
-    # Not `guard_filter_fn=skip_guard_on_all_nn_modules_unsafe` (0.4 ms a step less): without the guards on the
-    # module a second target's stack reuses the first one's graph, frozen weights included.
-    stack = torch.compile(DecodeStack(layers, heads, eps, attention_dtype, feature_layers), dynamic=True)
+    # Without guards on the module (its ~700 attributes and buffers: ~0.25 ms a call); `owner` keys its graphs.
+    module = DecodeStack(layers, heads, eps, attention_dtype, feature_layers)
+    stack = torch.compile(module, dynamic=True, options={"guard_filter_fn": without_module_guards})
     autotune_kinds = ("one", "small") if device.type == "cpu" and autotune else ()
 
     def run(x: Tensor, *args):
@@ -151,7 +174,7 @@ def compile_stack(layers: list, heads: tuple[int, int, int], eps: float, attenti
         # and, for steps of a few rows on a CPU, inductor's own C++ GEMM kernels where they time faster than
         # oneDNN's (max-autotune; RESULTS.md, session 14).
         with compile_settings(autotune=kind in autotune_kinds):
-            return stack(x, *args, kind)
+            return stack(x, *args, kind, module.owner)
 
     return run
 
@@ -162,14 +185,17 @@ class HeadStep(nn.Module):
     def __init__(self, head: nn.Module):
         super().__init__()
         self.head = head
+        self.owner = new_owner()
 
     def forward(self, hidden: Tensor, token_embeds: Tensor, positions: Tensor, past_keys: Tensor,
-                past_values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                past_values: Tensor, mask: Tensor, owner: str) -> tuple[Tensor, Tensor, Tensor]:
         """hidden, token_embeds [T, d]; past_keys/values [Hkv, S, hd] (contiguous: strides and a leading size-1
-        dimension would be guarded on, one recompile per round); mask [T, S + T]. Returns the output [T, d] and the
-        keys and values with this step's rows appended [Hkv, S + T, hd]."""
+        dimension would be guarded on, one recompile per round); mask [T, S + T]; owner: this module's `owner`.
+        Returns the output [T, d] and the keys and values with this step's rows appended [Hkv, S + T, hd]."""
         from .heads.layer import KVCache
 
+        if owner != self.owner:  # (read here so that dynamo guards on it: see DecodeStack.forward)
+            raise ValueError(f"head step of {owner} called on {self.owner}")
         cache = KVCache(num_layers=1)
         cache.keys[0], cache.values[0] = past_keys[None], past_values[None]
         out = self.head.step(hidden, token_embeds, positions, cache, mask)
@@ -179,16 +205,20 @@ class HeadStep(nn.Module):
 def compile_head_step(head: nn.Module, device: torch.device):
     """`head.step` with the decoder layer compiled (CPU: max-autotune, as for small target steps). Same call as
     `DraftHead.step`; the first step of a generation (an empty head cache, the whole prompt) runs eagerly."""
-    step = torch.compile(HeadStep(head), dynamic=True)
+    module = HeadStep(head)
+    step = torch.compile(module, dynamic=True, options={"guard_filter_fn": without_module_guards})
     autotune = device.type == "cpu"
 
     def run(hidden: Tensor, token_embeds: Tensor, positions: Tensor, cache, mask: Tensor) -> Tensor:
         if cache.keys[0] is None:
             return head.step(hidden, token_embeds, positions, cache, mask)
         with compile_settings(autotune):
+            # Drafting runs in inference mode, but an EAGLE-1 head's hidden rows are the target's features indexed
+            # outside it (normal tensors): dynamo guards on that too, and recompiled for them (two more graphs).
+            hidden, token_embeds = (t if t.is_inference() else t.clone() for t in (hidden, token_embeds))
             # (after a rollback the cache is a view of its longer self: contiguous() copies it once a round)
             past_keys, past_values = (t[0].contiguous() for t in (cache.keys[0], cache.values[0]))
-            out, keys, values = step(hidden, token_embeds, positions, past_keys, past_values, mask)
+            out, keys, values = step(hidden, token_embeds, positions, past_keys, past_values, mask, module.owner)
         cache.keys[0], cache.values[0] = keys[None], values[None]
         return out
 

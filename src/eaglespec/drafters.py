@@ -80,6 +80,8 @@ class EagleDrafter(Drafter):
         weight = next(head.parameters())
         kernel = compile and bf16gemm.available(weight.dtype, weight.device)
         self.head = bf16gemm.with_kernel(head) if kernel else packed.pack_linears(head)
+        if kernel and hasattr(self.head, "pack_rows"):  # EAGLE-1: the target LM head's rows of the draft vocabulary
+            self.head.pack_rows = bf16gemm.Bf16Linear
         self.step = self.head.step  # (hidden, token_embeds, positions, cache, mask) -> [T, d]
         if compile:
             from . import compiled

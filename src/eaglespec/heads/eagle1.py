@@ -29,6 +29,9 @@ class Eagle1Head(DraftHead):
         self.register_buffer("vocab_ids", None, persistent=False)
         # ((weight storage, dtype, packed), [T, d] -> [T, Vd] product with the LM head's rows of the draft vocabulary)
         self._rows: tuple[tuple, Callable[[Tensor], Tensor]] | None = None
+        # How those rows are packed: oneDNN (eaglespec.packed); the drafter sets eaglespec's bfloat16 kernel under
+        # --compile (eaglespec.bf16gemm.Bf16Linear)
+        self.pack_rows: Callable[[Tensor, Tensor | None], Callable[[Tensor], Tensor]] = packed.pack
 
     def set_draft_vocab(self, target_ids: Tensor | None) -> None:
         """Draft over these target token ids only ([Vd] long), or over the full vocabulary (None)."""
@@ -67,7 +70,7 @@ class Eagle1Head(DraftHead):
             rows, bias = weight.detach(), None if bias is None else bias.detach()  # [V, d], [V]
             if self.vocab_ids is not None:
                 rows, bias = rows.index_select(0, self.vocab_ids), None if bias is None else bias[self.vocab_ids]
-            project = packed.pack(rows, bias) if fast else partial(F.linear, weight=rows.contiguous(), bias=bias)
+            project = self.pack_rows(rows, bias) if fast else partial(F.linear, weight=rows.contiguous(), bias=bias)
             self._rows = (key, project)
         return self._rows[1](hidden)
 
