@@ -3,9 +3,9 @@
 A decode step or a draft-tree verification multiplies 1-16 rows by each weight matrix. oneDNN's packed bfloat16
 products cost ~13 us a call and stream these shapes at 17-22 GB/s, and inductor's C++ GEMM kernels compute in
 float32 FMAs (4.7x slower than oneDNN at 8 rows; benchmarks/RESULTS.md, session 14). This kernel reads the packed
-weight once per call and multiplies with vdpbf16ps: all matrix products of a SmolLM2-135M step (2 cores,
-`benchmarks/scripts/bf16_gemm_cost.py`) take ~6.5 ms for 2-6 rows and ~9 ms for 8, against 11-14 ms with oneDNN.
-Each row gets the same bits whatever the number of rows in the call.
+weight once per call and multiplies with vdpbf16ps: all matrix products of a SmolLM2-135M step (2 cores, called
+from Python, `benchmarks/scripts/bf16_gemm_cost.py`) take ~10-10.6 ms for 1-6 rows and 11.7 ms for 8, against
+13.4-15.5 ms with oneDNN (RESULTS.md, session 15). Each row gets the same bits whatever the number of rows in the call.
 
 The C++ source is compiled on first use with torch's extension builder (g++, ~10-30 s, cached under
 ~/.cache/torch_extensions) and registers `torch.ops.eaglespec.bf16_linear`, an operator torch.compile keeps as one
