@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from eaglespec import bf16gemm
-from eaglespec.compiled import cpu_compiler_available
 from eaglespec.fastpath import FastTarget
 
 from conftest import make_model
@@ -14,7 +13,7 @@ from test_fastpath import PROMPT, TREE
 
 pytestmark = [
     pytest.mark.skipif(not bf16gemm.cpu_supported(), reason="this CPU has no AVX-512 BF16"),
-    pytest.mark.skipif(not cpu_compiler_available(), reason="building the kernel needs a C++ compiler"),
+    pytest.mark.skipif(not bf16gemm.can_build(), reason="building the kernel needs a C++ compiler and ninja"),
 ]
 
 # (N, K, bias): model-like shapes, a partial last column group, odd input widths (padded to k-pairs), tiny ones
@@ -136,3 +135,16 @@ def test_compiled_bfloat16_drafter_runs_its_head_through_the_kernel(model, kind)
         tokens = torch.cat([tokens, torch.randint(0, model.config.vocab_size, (k,), generator=gen)])
         new_features = torch.randn(k, features, generator=gen).bfloat16()
     assert len(_debug_get_cache_entry_list(HeadStep.forward.__code__)) == graphs
+
+
+def test_a_failed_build_is_a_clear_error(monkeypatch):
+    import torch.utils.cpp_extension
+
+    from eaglespec.errors import EagleSpecError
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("g++: internal compiler error")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", broken)
+    with pytest.raises(EagleSpecError, match="EAGLESPEC_BF16_GEMM=0"):
+        bf16gemm.load.__wrapped__()  # (load() itself is cached: the kernel is already built in this process)

@@ -36,13 +36,20 @@ def cpu_supported() -> bool:
     return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags
 
 
-def available(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """True where `--compile` uses this kernel: bfloat16 weights on a CPU with AVX-512 BF16 and a C++ compiler
-    (set EAGLESPEC_BF16_GEMM=0 to use oneDNN / inductor's products instead)."""
+def can_build() -> bool:
+    """True where torch's extension builder can compile the kernel: a C++ compiler and ninja (a dependency)."""
+    from torch.utils.cpp_extension import is_ninja_available
+
     from .compiled import cpu_compiler_available
 
-    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and cpu_supported()
-            and cpu_compiler_available() and os.environ.get("EAGLESPEC_BF16_GEMM", "1") != "0")
+    return cpu_compiler_available() and is_ninja_available()
+
+
+def available(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """True where `--compile` uses this kernel: bfloat16 weights on a CPU with AVX-512 BF16, and `can_build`
+    (set EAGLESPEC_BF16_GEMM=0 to use oneDNN / inductor's products instead)."""
+    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and cpu_supported() and can_build()
+            and os.environ.get("EAGLESPEC_BF16_GEMM", "1") != "0")
 
 
 @functools.cache
