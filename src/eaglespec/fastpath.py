@@ -218,10 +218,9 @@ class FastTarget(TargetModel):
                 new[:, : self.capacity] = old
             return new
 
-        old_keys, old_values = (getattr(self, name, None) or [None] * len(self.layers)
-                                for name in ("layer_keys", "layer_values"))
-        self.layer_keys = [grown(old) for old in old_keys]
-        self.layer_values = [grown(old) for old in old_values]
+        none = [None] * len(self.layers)  # nothing to copy on the first allocation
+        self.layer_keys = [grown(old) for old in (self.layer_keys if self.capacity else none)]
+        self.layer_values = [grown(old) for old in (self.layer_values if self.capacity else none)]
         self.capacity = capacity
         positions = torch.arange(capacity, dtype=torch.float32)
         angles = positions[:, None] * self.inv_freq[None]  # [capacity, hd/2]
