@@ -24,8 +24,9 @@ from torch import Tensor, nn
 
 from .errors import EagleSpecError
 
-SOURCE = Path(__file__).parent / "csrc" / "bf16_gemm.cpp"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+# The bfloat16 products and the decode-step attention (csrc/tree_attention.cpp), built as one extension.
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bf16_gemm.cpp", "tree_attention.cpp")]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
 
 
 def cpu_supported() -> bool:
@@ -54,14 +55,14 @@ def available(dtype: torch.dtype, device: torch.device | str) -> bool:
 
 @functools.cache
 def load() -> None:
-    """Build (first time only) and load the kernel; registers torch.ops.eaglespec.bf16_*."""
+    """Build (first time only) and load the kernels; registers torch.ops.eaglespec.bf16_* and tree_attention."""
     from torch.utils.cpp_extension import load as build
 
     if not cpu_supported():
         raise EagleSpecError("eaglespec's bfloat16 kernel needs a CPU with AVX-512 BF16")
     print("eaglespec: loading its bfloat16 kernel (built on first use, ~10-30 s)", file=sys.stderr, flush=True)
     try:
-        build("eaglespec_bf16_gemm", [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+        build("eaglespec_kernels", [str(source) for source in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
               is_python_module=False, verbose=False)
     except (RuntimeError, OSError) as error:
         raise EagleSpecError(f"could not build eaglespec's bfloat16 kernel ({error}); set EAGLESPEC_BF16_GEMM=0 "
@@ -70,6 +71,10 @@ def load() -> None:
     @torch.library.register_fake("eaglespec::bf16_linear")
     def _(x: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor:
         return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("eaglespec::tree_attention")
+    def _(q: Tensor, keys: Tensor, values: Tensor, step_mask: Tensor | None) -> Tensor:
+        return q.new_empty(q.shape)
 
 
 class Bf16Linear(nn.Module):

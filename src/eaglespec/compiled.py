@@ -96,19 +96,21 @@ class DecodeStack(nn.Module):
     """All decoder layers of one decode step: x [n, d] -> (x [n, d], the inputs of `feature_layers`)."""
 
     def __init__(self, layers: list, heads: tuple[int, int, int], eps: float, attention_dtype: torch.dtype,
-                 feature_layers: tuple[int, ...]):
+                 feature_layers: tuple[int, ...], tree_kernel: bool = False):
         super().__init__()
         self.layers = nn.ModuleList(_LayerModule(layer) for layer in layers)
         self.heads, self.eps, self.attention_dtype = heads, eps, attention_dtype
         self.feature_layers = tuple(feature_layers)
+        self.tree_kernel = tree_kernel  # attention through eaglespec's kernel (fastpath.write_and_attend_tree)
         self.owner = new_owner()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor], c: int,
                 mask: Tensor | None, kind: str, owner: str) -> tuple[Tensor, list[Tensor]]:
-        """keys, values: per layer [Hkv, capacity, hd] (FastTarget's cache, written in place). `kind` (`graph_kind`)
+        """keys, values: per layer [Hkv, capacity, hd] (FastTarget's cache, written in place); mask: [1, 1, n, c + n]
+        bool, or with `tree_kernel` the step rows' [n, n] part; None for one token. `kind` (`graph_kind`)
         and `owner` (this module's `owner`) only key the graph: dynamo guards on them, so each kind of step of each
         target gets its own compiled graph (`compile_stack` drops the guards on the module itself)."""
-        from .fastpath import decoder_layer, write_and_attend
+        from .fastpath import decoder_layer, write_and_attend, write_and_attend_tree
 
         if kind not in GRAPH_KINDS or owner != self.owner:  # (read here so that dynamo guards on them)
             raise ValueError(f"graph kind {kind} of {owner} called on {self.owner}")
@@ -116,7 +118,10 @@ class DecodeStack(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in self.feature_layers:
                 saved.append(x)
-            attend = partial(write_and_attend, keys=keys[i], values=values[i], c=c, mask=mask)
+            if self.tree_kernel:
+                attend = partial(write_and_attend_tree, keys=keys[i], values=values[i], c=c, step_mask=mask)
+            else:
+                attend = partial(write_and_attend, keys=keys[i], values=values[i], c=c, mask=mask)
             x = decoder_layer(layer, x, cos, sin, self.heads, self.eps, self.attention_dtype, attend)
         return x, saved
 
@@ -157,12 +162,13 @@ def graph_kind(n: int) -> str:
 
 
 def compile_stack(layers: list, heads: tuple[int, int, int], eps: float, attention_dtype: torch.dtype,
-                  feature_layers: tuple[int, ...], device: torch.device, autotune: bool = True):
+                  feature_layers: tuple[int, ...], device: torch.device, autotune: bool = True,
+                  tree_kernel: bool = False):
     """The compiled `DecodeStack` (compiles lazily, on its first calls; see `FastTarget.warm_up`). `autotune`: on a
     CPU, let inductor's C++ GEMM kernels compete for the products of one-token and small-tree steps (pointless
     where the layers' products are eaglespec's own kernel, `bf16gemm`)."""
     # Without guards on the module (its ~700 attributes and buffers: ~0.25 ms a call); `owner` keys its graphs.
-    module = DecodeStack(layers, heads, eps, attention_dtype, feature_layers)
+    module = DecodeStack(layers, heads, eps, attention_dtype, feature_layers, tree_kernel)
     stack = torch.compile(module, dynamic=True, options={"guard_filter_fn": without_module_guards})
     autotune_kinds = ("one", "small") if device.type == "cpu" and autotune else ()
 

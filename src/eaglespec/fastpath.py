@@ -107,6 +107,18 @@ def write_and_attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tens
                                           attn_mask=mask, enable_gqa=q.shape[0] != k.shape[0])[0]
 
 
+def write_and_attend_tree(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, c: int,
+                          step_mask: Tensor | None) -> Tensor:
+    """`write_and_attend` through eaglespec's decode-step attention (csrc/tree_attention.cpp, float32, AVX-512):
+    each query row attends over the cached prefix and then its own path of step rows, in sequence order, so a
+    verified tree row gets the bits of the one-token step that would compute it. step_mask [n, n] bool (row r sees
+    step row s: its ancestors and itself) or None (causal; a one-token step). Returns [H, n, hd]."""
+    n = q.shape[1]
+    keys[:, c : c + n] = k
+    values[:, c : c + n] = v
+    return torch.ops.eaglespec.tree_attention(q, keys[:, : c + n], values[:, : c + n], step_mask)
+
+
 @dataclass
 class _Layer:
     input_norm: Tensor  # [d]
@@ -156,6 +168,12 @@ class FastTarget(TargetModel):
         self.n_kv = getattr(c, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.n_heads
         self.eps = float(c.rms_norm_eps)
+        # eaglespec's row-invariant decode-step attention (`write_and_attend_tree`) where it builds (the extension of
+        # eaglespec.bf16gemm): the compiled graphs' attention with --compile, and row-invariant steps (--exact,
+        # quantized targets) instead of one attention call per row
+        self.attention_kernel = (self.attention_dtype == torch.float32 and self.head_dim % 16 == 0
+                                 and self.head_dim <= 256 and bf16gemm.available(torch.bfloat16, self.device))
+        self.tree_kernel = self.attention_kernel and self.bf16_gemm
         head = self.lm_head
         if self.bf16_gemm:
             self.logits_head: Linear = bf16gemm.Bf16Linear(head.weight, head.bias)
@@ -169,7 +187,7 @@ class FastTarget(TargetModel):
             features = self.eagle3_layers() if self.feature_kind == "eagle3" else ()
             self.stack = compiled.compile_stack(self.layers, (self.n_heads, self.n_kv, self.head_dim), self.eps,
                                                 self.attention_dtype, features, self.device,
-                                                autotune=not self.bf16_gemm)
+                                                autotune=not self.bf16_gemm, tree_kernel=self.tree_kernel)
         rope = getattr(c, "rope_parameters", None) or {}
         theta = float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
@@ -339,22 +357,28 @@ class FastTarget(TargetModel):
         mask = allowed[None, None] if n > 1 else None  # a one-token step sees every cached row and itself
         # Row-invariant steps: for each query row, the end of the cache slice it sees, or its path of step rows.
         rows = None
-        if self.row_invariant and tree_mask is not None:
+        exact_kernel = self.row_invariant and self.attention_kernel and tree_mask is not None
+        if self.row_invariant and tree_mask is not None and not exact_kernel:
             rows = [c + 1] if n == 1 else self._visible_rows(allowed[:, c:], c)
         cos, sin = self.cos[positions][None], self.sin[positions][None]  # [1, n, hd]
         heads = (self.n_heads, self.n_kv, self.head_dim)
 
         x = self.embed_tokens(tokens)  # [n, d]
         feature_layers = self.eagle3_layers() if self.feature_kind == "eagle3" else ()
+        step_mask = allowed[:, c:].contiguous() if n > 1 else None  # [n, n] the kernel's mask (one token: none)
         if self.stack is not None and rows is None and c > 0:  # decode steps; prompt prefills stay eager
-            x, saved = self.stack(x, cos, sin, self.layer_keys, self.layer_values, c, mask)
+            x, saved = self.stack(x, cos, sin, self.layer_keys, self.layer_values, c,
+                                  step_mask if self.tree_kernel else mask)
             self.compiled_steps += 1
         else:
             saved = []
             for i, layer in enumerate(self.layers):
                 if i in feature_layers:
                     saved.append(x)
-                if rows is None:
+                if exact_kernel:  # row-invariant decode steps through the kernel
+                    attend = partial(write_and_attend_tree, keys=self.layer_keys[i], values=self.layer_values[i],
+                                     c=c, step_mask=step_mask)
+                elif rows is None:
                     attend = partial(write_and_attend, keys=self.layer_keys[i], values=self.layer_values[i], c=c,
                                      mask=mask)
                 else:

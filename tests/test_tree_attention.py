@@ -1,0 +1,139 @@
+"""eaglespec's decode-step attention (csrc/tree_attention.cpp): torch's attention values over the tree's visible
+keys, the same bits for a tree row as for the one-token step over its path, clear errors; and a compiled bfloat16
+target whose verified tree rows give the bits of plain decoding's steps, so speculative decoding reproduces plain
+decoding token for token in bfloat16 too. Skipped where the CPU lacks AVX-512 BF16 or no C++ compiler exists."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eaglespec import Engine, TreeSettings, bf16gemm
+from eaglespec.fastpath import FastTarget
+from eaglespec.tree import DraftTree
+
+from conftest import TinyTokenizer, make_model
+from test_engine import PROMPTS, random_head
+from test_fastpath import PROMPT, TREE
+
+pytestmark = [
+    pytest.mark.skipif(not bf16gemm.cpu_supported(), reason="this CPU has no AVX-512 BF16"),
+    pytest.mark.skipif(not bf16gemm.can_build(), reason="building the kernels needs a C++ compiler and ninja"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    bf16gemm.load()
+
+
+def cache(kv_heads, rows, hd, seed):
+    g = torch.Generator().manual_seed(seed)
+    capacity = rows + 5  # a longer cache than the step sees, as FastTarget's
+    return (torch.randn(kv_heads, capacity, hd, generator=g), torch.randn(kv_heads, capacity, hd, generator=g))
+
+
+@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (4, 4, 16), (4, 2, 128), (2, 1, 256)])
+@pytest.mark.parametrize("c", [0, 1, 37, 300])
+def test_matches_torch_attention_over_the_visible_keys(heads, kv_heads, hd, c):
+    n = len(TREE)
+    keys, values = cache(kv_heads, c + n, hd, seed=c + hd)
+    q = torch.randn(heads, n, hd)
+    tree = TREE.ancestor_mask()  # [n, n]
+    for step_mask in (tree, None):  # None: causal
+        out = torch.ops.eaglespec.tree_attention(q, keys[:, : c + n], values[:, : c + n], step_mask)
+        visible = torch.ones(n, c + n, dtype=torch.bool)
+        visible[:, c:] = tree if step_mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
+        expected = F.scaled_dot_product_attention(q[None], keys[None, :, : c + n], values[None, :, : c + n],
+                                                  attn_mask=visible[None, None], enable_gqa=heads != kv_heads)[0]
+        assert out.shape == (heads, n, hd) and out.dtype == torch.float32
+        torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("c", [0, 5, 130])
+def test_a_tree_row_has_the_bits_of_the_one_token_step_over_its_path(c):
+    """Row i of a verify pass sees the prefix and its path; plain decoding reaches the same token with that path
+    committed in order after the prefix. Both calls must give the same bits."""
+    heads, kv_heads, hd, n = 9, 3, 64, len(TREE)
+    keys, values = cache(kv_heads, c + n, hd, seed=c)
+    q = torch.randn(heads, n, hd).bfloat16().float()  # (the model's queries are bfloat16 values)
+    step = (slice(None), slice(0, c + n))
+    tree_out = torch.ops.eaglespec.tree_attention(q, keys[step], values[step], TREE.ancestor_mask())
+    for row in range(n):
+        path = TREE.path(row)
+        line_keys, line_values = keys.clone(), values.clone()
+        line_keys[:, c : c + len(path)] = keys[:, [c + p for p in path]]
+        line_values[:, c : c + len(path)] = values[:, [c + p for p in path]]
+        end = c + len(path)
+        one = torch.ops.eaglespec.tree_attention(q[:, row : row + 1], line_keys[:, :end], line_values[:, :end], None)
+        assert torch.equal(one[:, 0], tree_out[:, row]), f"row {row} (path {path})"
+
+
+def test_bad_input_is_a_clear_error():
+    keys, values = cache(2, 8, 16, seed=0)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.eaglespec.tree_attention(torch.randn(4, 2, 8), keys[..., :8], values[..., :8], None)
+    with pytest.raises(RuntimeError, match=r"step_mask must be \[n, n\]"):
+        torch.ops.eaglespec.tree_attention(torch.randn(4, 2, 16), keys, values, torch.ones(3, 3, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.eaglespec.tree_attention(torch.randn(4, 2, 16).bfloat16(), keys, values, None)
+
+
+@pytest.fixture(scope="module")
+def model():
+    # head_dim 16, GQA; bfloat16 as the default dtype on a CPU with AVX-512 BF16
+    return make_model("llama", layers=3).to(torch.bfloat16)
+
+
+def test_exact_bfloat16_verify_rows_equal_plain_steps(model):
+    """Row-invariant decode steps (--exact) attend through the kernel: each row of a bfloat16 verify pass has the
+    logits and features of the one-token steps that reach it."""
+    exact = FastTarget(model, "final", row_invariant=True)
+    assert exact.attention_kernel
+    for tree in (TREE, DraftTree(torch.tensor([5, 11, 12]), torch.tensor([-1, 0, 0]))):
+        exact.reset()
+        exact.forward(PROMPT)
+        exact.commit()
+        verify = exact.forward(tree.tokens, tree.positions(exact.cache_len), tree.ancestor_mask())
+        exact.commit(torch.tensor([0]))
+        for row in range(len(tree)):
+            exact.reset()
+            exact.forward(PROMPT)
+            exact.commit()
+            for token in tree.tokens[tree.path(row)].tolist():
+                plain = exact.forward(torch.tensor([token]), tree_mask=torch.ones(1, 1, dtype=torch.bool))
+                exact.commit()
+            assert torch.equal(plain.logits[0], verify.logits[row]), f"row {row} of a {len(tree)}-token tree"
+            assert torch.equal(plain.features[0], verify.features[row])
+
+
+def test_exact_bfloat16_speculative_tokens_equal_plain_decoding(model):
+    head = random_head(model, "eagle1").to(torch.bfloat16)
+    plain = Engine.from_model(model, TinyTokenizer(), method="vanilla", exact=True)
+    spec = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2", exact=True,
+                             tree=TreeSettings(total_tokens=8, depth=4, top_k=3))
+    assert spec.target.attention_kernel and spec.target.row_invariant
+    taus = []
+    for prompt in PROMPTS:
+        expected = plain.generate(prompt, max_new_tokens=40)
+        got = spec.generate(prompt, max_new_tokens=40)
+        assert got.tokens == expected.tokens
+        taus.append(got.stats.tau)
+    assert max(taus) > 1.0  # drafts were verified and some accepted, not just plain steps
+
+
+def test_compiled_bfloat16_target_attends_through_the_kernel(model):
+    """--compile: the decode graphs call the kernel; their rows stay close to the eager path's (other kernels,
+    other roundings: not bit-equal, benchmarks/RESULTS.md session 16)."""
+    compiled = FastTarget(model, "final", compile=True)
+    eager = FastTarget(model, "final")
+    assert compiled.tree_kernel and not eager.tree_kernel
+    compiled.warm_up()
+    for t in (eager, compiled):
+        t.reset()
+        t.forward(PROMPT)
+        t.commit()
+        t.forward(torch.tensor([7]))
+        t.commit()
+    outs = [t.forward(TREE.tokens, TREE.positions(t.cache_len), TREE.ancestor_mask()) for t in (eager, compiled)]
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=0.1, rtol=0.05)
+    assert torch.equal(outs[1].logits.argmax(-1), outs[0].logits.argmax(-1))
