@@ -84,34 +84,58 @@ def model():
     return make_model("llama", layers=3).to(torch.bfloat16)
 
 
-def test_exact_bfloat16_verify_rows_equal_plain_steps(model):
-    """Row-invariant decode steps (--exact) attend through the kernel: each row of a bfloat16 verify pass has the
-    logits and features of the one-token steps that reach it."""
-    exact = FastTarget(model, "final", row_invariant=True)
-    assert exact.attention_kernel
+def verify_rows_equal_plain_steps(target, prefix: list[int]) -> None:
+    """Each row of a verify pass (after `prefix` decoded by plain steps) has the logits and features of the one-token
+    steps that reach it; trees of 3 and 7 tokens (the compiled graphs for 2-4 and for 5+ tokens)."""
+    one = torch.ones(1, 1, dtype=torch.bool)  # plain decoding's steps carry a root-only tree mask
     for tree in (TREE, DraftTree(torch.tensor([5, 11, 12]), torch.tensor([-1, 0, 0]))):
-        exact.reset()
-        exact.forward(PROMPT)
-        exact.commit()
-        verify = exact.forward(tree.tokens, tree.positions(exact.cache_len), tree.ancestor_mask())
-        exact.commit(torch.tensor([0]))
+        target.reset()
+        target.forward(PROMPT)
+        target.commit()
+        for token in prefix:
+            target.forward(torch.tensor([token]), tree_mask=one)
+            target.commit()
+        verify = target.forward(tree.tokens, tree.positions(target.cache_len), tree.ancestor_mask())
+        target.commit(torch.tensor([0]))
         for row in range(len(tree)):
-            exact.reset()
-            exact.forward(PROMPT)
-            exact.commit()
-            for token in tree.tokens[tree.path(row)].tolist():
-                plain = exact.forward(torch.tensor([token]), tree_mask=torch.ones(1, 1, dtype=torch.bool))
-                exact.commit()
+            target.reset()
+            target.forward(PROMPT)
+            target.commit()
+            for token in prefix + tree.tokens[tree.path(row)].tolist():
+                plain = target.forward(torch.tensor([token]), tree_mask=one)
+                target.commit()
             assert torch.equal(plain.logits[0], verify.logits[row]), f"row {row} of a {len(tree)}-token tree"
             assert torch.equal(plain.features[0], verify.features[row])
 
 
-def test_exact_bfloat16_speculative_tokens_equal_plain_decoding(model):
+def test_exact_bfloat16_verify_rows_equal_plain_steps(model):
+    """Row-invariant decode steps (--exact) attend through the kernel (not one attention call per row)."""
+    exact = FastTarget(model, "final", row_invariant=True)
+    assert exact.attention_kernel
+    verify_rows_equal_plain_steps(exact, prefix=[])
+
+
+@pytest.fixture(scope="module")
+def compiled(model):
+    target = FastTarget(model, "final", compile=True)
+    target.warm_up()
+    return target
+
+
+def test_compiled_bfloat16_verify_rows_equal_plain_steps(compiled):
+    """The whole compiled decode step, not just its attention: with eager's bfloat16 roundings
+    (compiled.compile_settings) a compiled tree row has the bits of the compiled one-token steps."""
+    assert compiled.tree_kernel
+    verify_rows_equal_plain_steps(compiled, prefix=[7])  # (decode steps over a cached prefix run compiled)
+
+
+@pytest.mark.parametrize("option", ["exact", "compile"])
+def test_bfloat16_speculative_tokens_equal_plain_decoding(model, option):
     head = random_head(model, "eagle1").to(torch.bfloat16)
-    plain = Engine.from_model(model, TinyTokenizer(), method="vanilla", exact=True)
-    spec = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2", exact=True,
+    plain = Engine.from_model(model, TinyTokenizer(), method="vanilla", **{option: True})
+    spec = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2", **{option: True},
                              tree=TreeSettings(total_tokens=8, depth=4, top_k=3))
-    assert spec.target.attention_kernel and spec.target.row_invariant
+    assert spec.target.attention_kernel and (spec.target.row_invariant or spec.target.tree_kernel)
     taus = []
     for prompt in PROMPTS:
         expected = plain.generate(prompt, max_new_tokens=40)
@@ -121,13 +145,11 @@ def test_exact_bfloat16_speculative_tokens_equal_plain_decoding(model):
     assert max(taus) > 1.0  # drafts were verified and some accepted, not just plain steps
 
 
-def test_compiled_bfloat16_target_attends_through_the_kernel(model):
-    """--compile: the decode graphs call the kernel; their rows stay close to the eager path's (other kernels,
-    other roundings: not bit-equal, benchmarks/RESULTS.md session 16)."""
-    compiled = FastTarget(model, "final", compile=True)
+def test_compiled_bfloat16_target_attends_through_the_kernel(model, compiled):
+    """--compile: the decode graphs call the kernel; their rows stay close to the eager path's (other products and
+    attention: close, not bit-equal)."""
     eager = FastTarget(model, "final")
     assert compiled.tree_kernel and not eager.tree_kernel
-    compiled.warm_up()
     for t in (eager, compiled):
         t.reset()
         t.forward(PROMPT)

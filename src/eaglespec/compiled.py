@@ -133,10 +133,16 @@ def compile_settings(autotune: bool):
 
     `cpp_wrapper`: the graph's calls (fused loops, attention, the products) are made from C++, not from a Python
     function, and the per-call size/alignment assertions are dropped: a one-token step of a 30-layer model spent
-    ~0.75 ms in that Python (`## Call CompiledFxGraph` self time; ~0.38 ms with both changes, session 15)."""
+    ~0.75 ms in that Python (`## Call CompiledFxGraph` self time; ~0.38 ms with both changes, session 15).
+
+    `emulate_precision_casts`: fused bfloat16 work is rounded to bfloat16 wherever eager rounds it (after the
+    residual adds, RoPE, ...). Without it inductor kept some intermediates in float32, and not in the same places in
+    the one-token graph as in the tree graphs, so a verified row differed from the plain step in its last bits and
+    greedy bfloat16 outputs drifted from plain decoding (1-3 of 8 MT-bench answers identical; tests/test_tree_attention.py)."""
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), torch._inductor.config.patch(
             freezing=True, max_autotune=autotune, max_autotune_gemm_backends="CPP,ATEN" if autotune else "ATEN",
-            cpp_wrapper=True, size_asserts=False, alignment_asserts=False, scalar_asserts=False):
+            cpp_wrapper=True, size_asserts=False, alignment_asserts=False, scalar_asserts=False,
+            emulate_precision_casts=True):
         yield
 
 
