@@ -2,6 +2,9 @@
 Python functions over one 256-token generation of the first MT-bench writing prompt, after a warm-up generation.
 
     python benchmarks/scripts/round_profile.py [--method eagle2] [--head PATH] [--no-compile] [--threads 2]
+        [--tree 4,2,3]
+
+--tree total_tokens,depth,top_k drafts with that tree (default: `--tree auto`'s choice, which may be no draft).
 
 Divide an operator's total by the printed number of target forwards for its cost per round.
 """
@@ -13,7 +16,7 @@ import time
 
 import torch
 
-from eaglespec import Engine
+from eaglespec import Engine, TreeSettings
 
 PROMPT = ("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences "
           "and must-see attractions.")
@@ -23,9 +26,11 @@ p.add_argument("--method", default="eagle2")
 p.add_argument("--head", default="auto")
 p.add_argument("--no-compile", action="store_true")
 p.add_argument("--threads", type=int, default=2)
+p.add_argument("--tree", default="auto")
 args = p.parse_args()
 torch.set_num_threads(args.threads)
-engine = Engine(method=args.method, head=args.head, compile=not args.no_compile)
+tree = "auto" if args.tree == "auto" else TreeSettings(*(int(v) for v in args.tree.split(",")))
+engine = Engine(method=args.method, head=args.head, compile=not args.no_compile, tree=tree)
 engine.generate(PROMPT, max_new_tokens=64)  # warm-up
 start = time.perf_counter()
 result = engine.generate(PROMPT, max_new_tokens=256)

@@ -127,22 +127,24 @@ class DecodeStack(nn.Module):
 
 
 @contextmanager
-def compile_settings(autotune: bool):
+def compile_settings(autotune: bool, eager_roundings: bool = False):
     """The dynamo / inductor settings of every compiled call here (see `compile_stack`); `autotune`: let inductor's
-    C++ GEMM kernels compete with oneDNN's products (max-autotune).
+    C++ GEMM kernels compete with oneDNN's products (max-autotune); `eager_roundings`: see below (the target's
+    graphs; a draft head's step need not match anything bit for bit).
 
     `cpp_wrapper`: the graph's calls (fused loops, attention, the products) are made from C++, not from a Python
     function, and the per-call size/alignment assertions are dropped: a one-token step of a 30-layer model spent
     ~0.75 ms in that Python (`## Call CompiledFxGraph` self time; ~0.38 ms with both changes, session 15).
 
-    `emulate_precision_casts`: fused bfloat16 work is rounded to bfloat16 wherever eager rounds it (after the
-    residual adds, RoPE, ...). Without it inductor kept some intermediates in float32, and not in the same places in
-    the one-token graph as in the tree graphs, so a verified row differed from the plain step in its last bits and
-    greedy bfloat16 outputs drifted from plain decoding (1-3 of 8 MT-bench answers identical; tests/test_tree_attention.py)."""
+    `eager_roundings` (inductor's `emulate_precision_casts`): fused bfloat16 work is rounded to bfloat16 wherever
+    eager rounds it (after the residual adds, RoPE, ...). Without it inductor kept some intermediates in float32, and
+    not in the same places in the one-token graph as in the tree graphs, so a verified row differed from the plain
+    step in its last bits and greedy bfloat16 outputs drifted from plain decoding (1-3 of 8 MT-bench answers
+    identical; tests/test_tree_attention.py)."""
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), torch._inductor.config.patch(
             freezing=True, max_autotune=autotune, max_autotune_gemm_backends="CPP,ATEN" if autotune else "ATEN",
             cpp_wrapper=True, size_asserts=False, alignment_asserts=False, scalar_asserts=False,
-            emulate_precision_casts=True):
+            emulate_precision_casts=eager_roundings):
         yield
 
 
@@ -169,10 +171,11 @@ def graph_kind(n: int) -> str:
 
 def compile_stack(layers: list, heads: tuple[int, int, int], eps: float, attention_dtype: torch.dtype,
                   feature_layers: tuple[int, ...], device: torch.device, autotune: bool = True,
-                  tree_kernel: bool = False):
+                  tree_kernel: bool = False, eager_roundings: bool = True):
     """The compiled `DecodeStack` (compiles lazily, on its first calls; see `FastTarget.warm_up`). `autotune`: on a
     CPU, let inductor's C++ GEMM kernels compete for the products of one-token and small-tree steps (pointless
-    where the layers' products are eaglespec's own kernel, `bf16gemm`)."""
+    where the layers' products are eaglespec's own kernel, `bf16gemm`). `tree_kernel`: attention through eaglespec's
+    kernel (`DecodeStack`); `eager_roundings`: see `compile_settings` (off only to measure what it costs)."""
     # Without guards on the module (its ~700 attributes and buffers: ~0.25 ms a call); `owner` keys its graphs.
     module = DecodeStack(layers, heads, eps, attention_dtype, feature_layers, tree_kernel)
     stack = torch.compile(module, dynamic=True, options={"guard_filter_fn": without_module_guards})
@@ -185,7 +188,7 @@ def compile_stack(layers: list, heads: tuple[int, int, int], eps: float, attenti
         # process (each adds three graphs to DecodeStack.forward's cache; past the limit it would run eagerly),
         # and, for steps of a few rows on a CPU, inductor's own C++ GEMM kernels where they time faster than
         # oneDNN's (max-autotune; RESULTS.md, session 14).
-        with compile_settings(autotune=kind in autotune_kinds):
+        with compile_settings(autotune=kind in autotune_kinds, eager_roundings=eager_roundings):
             return stack(x, *args, kind, module.owner)
 
     return run

@@ -1,9 +1,10 @@
 // Attention of a decode step's few query rows over the KV cache and their draft-tree ancestors (AVX-512F, float32).
 //
 // A decode step (plain decoding: 1 row; a verify pass: the tree's 2-16 rows) attends over a few hundred cached keys
-// per layer. torch's CPU flash attention pays for its generality there: with a mask, 4 rows cost 2.3x one row over
-// 400 keys (30 layers: 0.85 ms for 1 row, 1.98 ms for 4; benchmarks/scripts/attention_cost.py). This kernel gives
-// each (query head, row) pair its own pass over exactly the keys it may see:
+// per layer. torch's CPU flash attention pays for its generality there: with a mask, 4 rows cost 2.5x one row over
+// 400 keys (30 layers, 2 cores: 0.87 ms for 1 row, 2.17 ms for 4; this kernel 0.61 and 1.49 ms;
+// benchmarks/scripts/attention_cost.py). This kernel gives each (query head, row) pair its own pass over exactly
+// the keys it may see:
 //   the cached prefix [0, c) in order, then the step rows of its path (its ancestors and itself, ascending),
 // which is the very sequence of keys a one-token step at that position attends over, laid out in the same order.
 // Every sum (q.k per key, the softmax denominator, the weighted sum of values) is taken in that logical order with
