@@ -26,6 +26,11 @@ session 15 (the kernel, per-layer caches, C++ wrapper) 11.8, 12.3-12.8 ms up to 
 The graphs are called from C++ (inductor's `cpp_wrapper`) without per-call size assertions, and the KV cache is
 one tensor per layer (FastTarget._grow): dynamo's guards over views of one cache tensor cost ~1 ms a call.
 
+Where the products are that kernel, the graphs also attend through eaglespec's decode-step attention
+(`fastpath.write_and_attend_tree`, csrc/tree_attention.cpp) and round bfloat16 work where eager does
+(`compile_settings`): every row of a verify pass then has the bits of the plain step that would compute it, so
+greedy speculative decoding equals plain decoding in bfloat16 (session 16).
+
 The draft head's decoder-layer step is compiled the same way when the target is (`compile_head_step`, two or three
 graphs: one row, several rows); a bfloat16 head's products (step, fusion, draft LM head) then use the kernel too.
 Session 14 (before the kernel): a draft round of the EAGLE-3 head on a 4-token tree went from 3.83 to 3.42 ms a

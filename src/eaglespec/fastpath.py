@@ -19,8 +19,10 @@ differences to ~0.2 of a logit, so there every decode step (a forward with a tre
 steps and every verify pass) attends row by row: each query row gets one attention call over exactly the keys it
 may see, in sequence order: the cached prefix followed by its path of tree tokens (copied into the cache rows right
 after the prefix when the path is not already there). That is the same call plain decoding makes for that token,
-so a verified row is bit-identical to it. The prompt prefill is the
-same call in both and stays batched. Float32 targets keep one batched attention call by default: their verified
+so a verified row is bit-identical to it. Where eaglespec's decode-step attention kernel builds (a CPU with AVX-512
+BF16, `write_and_attend_tree`), one kernel call per layer does the same for every row at once: each row's pass
+over its visible keys has that same order and arithmetic. With `compile`, the compiled decode steps attend through
+it too (eaglespec.compiled). The prompt prefill is the same call in both and stays batched. Float32 targets keep one batched attention call by default: their verified
 logits differ from a one-token step's by float32 rounding only (~4e-5 of a logit on SmolLM2-135M), and the
 row-by-row calls would cost 25-80 ms more per step on 8-24 tree tokens (2 cores, benchmarks/RESULTS.md).
 `row_invariant=True` makes float32 decode steps bit-exact too (tests/test_packed.py); it also splits packed products
@@ -358,6 +360,8 @@ class FastTarget(TargetModel):
         # Row-invariant steps: for each query row, the end of the cache slice it sees, or its path of step rows.
         rows = None
         exact_kernel = self.row_invariant and self.attention_kernel and tree_mask is not None
+        if exact_kernel:
+            bf16gemm.load()  # (built and loaded once per process; --compile loads it with the products)
         if self.row_invariant and tree_mask is not None and not exact_kernel:
             rows = [c + 1] if n == 1 else self._visible_rows(allowed[:, c:], c)
         cos, sin = self.cos[positions][None], self.sin[positions][None]  # [1, n, hd]
