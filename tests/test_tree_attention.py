@@ -68,14 +68,27 @@ def test_a_tree_row_has_the_bits_of_the_one_token_step_over_its_path(c):
         assert torch.equal(one[:, 0], tree_out[:, row]), f"row {row} (path {path})"
 
 
+def test_a_bfloat16_cache_gives_the_bits_of_its_float32_copy():
+    """The kernel widens bfloat16 keys and values exactly: a bfloat16 cache (a bfloat16 target's under --compile)
+    gives the same output as the same values held in float32."""
+    keys, values = (t.bfloat16() for t in cache(3, 60 + len(TREE), 64, seed=3))
+    q = torch.randn(9, len(TREE), 64)
+    step = (slice(None), slice(0, 60 + len(TREE)))
+    half = torch.ops.eaglespec.tree_attention(q, keys[step], values[step], TREE.ancestor_mask())
+    full = torch.ops.eaglespec.tree_attention(q, keys[step].float(), values[step].float(), TREE.ancestor_mask())
+    assert torch.equal(half, full)
+
+
 def test_bad_input_is_a_clear_error():
     keys, values = cache(2, 8, 16, seed=0)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         torch.ops.eaglespec.tree_attention(torch.randn(4, 2, 8), keys[..., :8], values[..., :8], None)
     with pytest.raises(RuntimeError, match=r"step_mask must be \[n, n\]"):
         torch.ops.eaglespec.tree_attention(torch.randn(4, 2, 16), keys, values, torch.ones(3, 3, dtype=torch.bool))
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 queries"):
         torch.ops.eaglespec.tree_attention(torch.randn(4, 2, 16).bfloat16(), keys, values, None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 keys"):
+        torch.ops.eaglespec.tree_attention(torch.randn(4, 2, 16), keys.half(), values.half(), None)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +124,7 @@ def verify_rows_equal_plain_steps(target, prefix: list[int]) -> None:
 def test_exact_bfloat16_verify_rows_equal_plain_steps(model):
     """Row-invariant decode steps (--exact) attend through the kernel (not one attention call per row)."""
     exact = FastTarget(model, "final", row_invariant=True)
-    assert exact.attention_kernel
+    assert exact.attention_kernel and exact.cache_dtype == torch.bfloat16  # every decode step through the kernel
     verify_rows_equal_plain_steps(exact, prefix=[])
 
 
@@ -125,7 +138,7 @@ def compiled(model):
 def test_compiled_bfloat16_verify_rows_equal_plain_steps(compiled):
     """The whole compiled decode step, not just its attention: with eager's bfloat16 roundings
     (compiled.compile_settings) a compiled tree row has the bits of the compiled one-token steps."""
-    assert compiled.tree_kernel
+    assert compiled.tree_kernel and compiled.cache_dtype == torch.bfloat16
     verify_rows_equal_plain_steps(compiled, prefix=[7])  # (decode steps over a cached prefix run compiled)
 
 
@@ -150,6 +163,7 @@ def test_compiled_bfloat16_target_attends_through_the_kernel(model, compiled):
     attention: close, not bit-equal)."""
     eager = FastTarget(model, "final")
     assert compiled.tree_kernel and not eager.tree_kernel
+    assert eager.cache_dtype == torch.float32  # its decode steps attend through torch: a float32 cache
     for t in (eager, compiled):
         t.reset()
         t.forward(PROMPT)

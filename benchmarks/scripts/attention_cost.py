@@ -4,7 +4,8 @@ torch's scaled_dot_product_attention (GQA, boolean mask), interleaved.
 
     python benchmarks/scripts/attention_cost.py [--threads 2] [--contexts 100,400] [--rows 1,2,4,6,8,16] [--repeats 15]
 
-Prints the median milliseconds for all 30 layers.
+Prints the median milliseconds for all 30 layers: the kernel over a float32 cache, over a bfloat16 cache (the
+cache of a bfloat16 target under --compile), and torch's attention over the float32 cache.
 """
 
 import argparse
@@ -27,10 +28,11 @@ bf16gemm.load()
 heads, kv_heads, hd, layers, capacity = 9, 3, 64, 30, 1024
 keys = [torch.randn(kv_heads, capacity, hd) for _ in range(layers)]
 values = [torch.randn(kv_heads, capacity, hd) for _ in range(layers)]
+keys16, values16 = [k.bfloat16() for k in keys], [v.bfloat16() for v in values]
 
 print(f"ms for {layers} layers, {args.threads} threads, median of {args.repeats}")
-print("| cached keys | query rows | kernel | torch |")
-print("|---|---|---|---|")
+print("| cached keys | query rows | kernel, float32 cache | kernel, bfloat16 cache | torch, float32 cache |")
+print("|---|---|---|---|---|")
 for c in (int(v) for v in args.contexts.split(",")):
     for n in (int(v) for v in args.rows.split(",")):
         q = torch.randn(heads, n, hd)
@@ -42,16 +44,20 @@ for c in (int(v) for v in args.contexts.split(",")):
             for k, v in zip(keys, values):
                 torch.ops.eaglespec.tree_attention(q, k[:, : c + n], v[:, : c + n], step_mask if n > 1 else None)
 
+        def kernel16():
+            for k, v in zip(keys16, values16):
+                torch.ops.eaglespec.tree_attention(q, k[:, : c + n], v[:, : c + n], step_mask if n > 1 else None)
+
         def reference():
             for k, v in zip(keys, values):
                 F.scaled_dot_product_attention(q[None], k[None, :, : c + n], v[None, :, : c + n],
                                                attn_mask=visible if n > 1 else None, enable_gqa=True)
 
-        times = {kernel: [], reference: []}
+        times = {kernel: [], kernel16: [], reference: []}
         for repeat in range(args.repeats + 3):
             for run in times:
                 start = time.perf_counter()
                 run()
                 if repeat >= 3:
                     times[run].append(1e3 * (time.perf_counter() - start))
-        print(f"| {c} | {n} | {statistics.median(times[kernel]):.3f} | {statistics.median(times[reference]):.3f} |")
+        print(f"| {c} | {n} | " + " | ".join(f"{statistics.median(t):.3f}" for t in times.values()) + " |")

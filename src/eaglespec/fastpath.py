@@ -105,8 +105,9 @@ def write_and_attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tens
     n = q.shape[1]
     keys[:, c : c + n] = k
     values[:, c : c + n] = v
-    return F.scaled_dot_product_attention(q[None], keys[:, : c + n][None], values[:, : c + n][None],
-                                          attn_mask=mask, enable_gqa=q.shape[0] != k.shape[0])[0]
+    seen_keys, seen_values = keys[:, : c + n].to(q.dtype), values[:, : c + n].to(q.dtype)  # (a bfloat16 cache widened)
+    return F.scaled_dot_product_attention(q[None], seen_keys[None], seen_values[None], attn_mask=mask,
+                                          enable_gqa=q.shape[0] != k.shape[0])[0]
 
 
 def write_and_attend_tree(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, c: int,
@@ -140,8 +141,8 @@ class FastTarget(TargetModel):
         """`quantize`: None (the model's own weights), "int8" or "int4" weight-only (see eaglespec.quant).
         `pack`: weights pre-packed for oneDNN (eaglespec.packed); None = wherever available.
         `row_invariant`: decode steps attend row by row (module docstring); None = when quantized.
-        `attention_dtype`: of the KV cache and the attention arithmetic; None = float32 for a half-precision target
-        on a CPU, the model's dtype elsewhere.
+        `attention_dtype`: of the attention arithmetic and of the KV cache (but see `cache_dtype` below); None =
+        float32 for a half-precision target on a CPU, the model's dtype elsewhere.
         `compile`: decode steps run the layers through torch.compile (eaglespec.compiled); call `warm_up()` to
         compile before timing anything."""
         super().__init__(model, feature_kind)
@@ -176,6 +177,12 @@ class FastTarget(TargetModel):
         self.attention_kernel = (self.attention_dtype == torch.float32 and self.head_dim % 16 == 0
                                  and self.head_dim <= 256 and bf16gemm.available(torch.bfloat16, self.device))
         self.tree_kernel = self.attention_kernel and self.bf16_gemm
+        # A bfloat16 target's keys and values are bfloat16 values (rounded as the model computes them, in the
+        # compiled graphs too). Where every decode step attends through the kernel, which widens them itself, the
+        # cache keeps them in bfloat16: the same numbers in half the bytes, to read and to keep in the CPU's caches
+        # between steps. Prefills and other attention calls widen the slice they read (`write_and_attend`).
+        kernel_steps = self.tree_kernel or (self.attention_kernel and self.row_invariant)
+        self.cache_dtype = self.dtype if kernel_steps and self.dtype == torch.bfloat16 else self.attention_dtype
         head = self.lm_head
         if self.bf16_gemm:
             self.logits_head: Linear = bf16gemm.Bf16Linear(head.weight, head.bias)
@@ -226,14 +233,14 @@ class FastTarget(TargetModel):
 
     # ---- static cache --------------------------------------------------------------------------------
     def _grow(self, capacity: int) -> None:
-        """(Re)allocate the cache: per layer, [kv_heads, capacity, head_dim] keys and values (attention_dtype).
+        """(Re)allocate the cache: per layer, [kv_heads, capacity, head_dim] keys and values (`cache_dtype`).
 
         One tensor per layer, each its own storage: the compiled layers write them in place, and views of one
         [layers, ...] tensor made dynamo check every pair of layers' written slices for overlap before each call
         (3,800 Python guards for 30 layers, ~1 ms a step; a write into a slice of the 4-d tensor itself became a
         copy of all of it per layer)."""
         def grown(old: Tensor | None) -> Tensor:
-            new = torch.zeros(self.n_kv, capacity, self.head_dim, dtype=self.attention_dtype, device=self.device)
+            new = torch.zeros(self.n_kv, capacity, self.head_dim, dtype=self.cache_dtype, device=self.device)
             if old is not None:
                 new[:, : self.capacity] = old
             return new

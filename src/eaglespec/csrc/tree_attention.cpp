@@ -1,8 +1,9 @@
-// Attention of a decode step's few query rows over the KV cache and their draft-tree ancestors (AVX-512F, float32).
+// Attention of a decode step's few query rows over the KV cache and their draft-tree ancestors (AVX-512F; float32
+// arithmetic over a float32 or bfloat16 cache).
 //
 // A decode step (plain decoding: 1 row; a verify pass: the tree's 2-16 rows) attends over a few hundred cached keys
-// per layer. torch's CPU flash attention pays for its generality there: with a mask, 4 rows cost 2.5x one row over
-// 400 keys (30 layers, 2 cores: 0.87 ms for 1 row, 2.17 ms for 4; this kernel 0.61 and 1.49 ms;
+// per layer. torch's CPU flash attention pays for its generality there: with a mask, 4 rows cost 2x one row over
+// 400 keys (30 layers, 2 cores: 1.16 ms for 1 row, 2.37 ms for 4; this kernel 0.68 and 1.52 ms;
 // benchmarks/scripts/attention_cost.py). This kernel gives each (query head, row) pair its own pass over exactly
 // the keys it may see:
 //   the cached prefix [0, c) in order, then the step rows of its path (its ancestors and itself, ascending),
@@ -44,17 +45,25 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 16 cache values as float32: float32 as they are, bfloat16 widened (exact).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
 // One (query head, row) pair: out[hd] = softmax(q . K[keys] * scale) V[keys], keys = rows[0..count) of the cache.
-// rows: physical cache rows in logical order; scores: scratch of at least count floats.
-void attend_one(const float* q, const float* k, const float* v, int64_t k_row, int64_t v_row,
+// rows: physical cache rows in logical order; scores: scratch of at least count floats. T: the cache's dtype.
+template <typename T>
+void attend_one(const float* q, const T* k, const T* v, int64_t k_row, int64_t v_row,
                 const int64_t* rows, int64_t count, int64_t chunks, float scale, float* scores, float* out) {
   __m512 qv[kMaxChunks];
   for (int64_t i = 0; i < chunks; ++i) qv[i] = _mm512_loadu_ps(q + i * kLanes);
   __m512 best = _mm512_set1_ps(-INFINITY);
   for (int64_t j = 0; j < count; ++j) {  // scores, in key order
-    const float* kp = k + rows[j] * k_row;
-    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kp));
-    for (int64_t i = 1; i < chunks; ++i) acc = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kp + i * kLanes), acc);
+    const T* kp = k + rows[j] * k_row;
+    __m512 acc = _mm512_mul_ps(qv[0], load16(kp));
+    for (int64_t i = 1; i < chunks; ++i) acc = _mm512_fmadd_ps(qv[i], load16(kp + i * kLanes), acc);
     scores[j] = _mm512_reduce_add_ps(acc) * scale;
   }
   int64_t j = 0;
@@ -77,20 +86,21 @@ void attend_one(const float* q, const float* k, const float* v, int64_t k_row, i
   __m512 acc[kMaxChunks];
   for (int64_t i = 0; i < chunks; ++i) acc[i] = _mm512_setzero_ps();
   for (j = 0; j < count; ++j) {  // weighted values, in key order
-    const float* vp = v + rows[j] * v_row;
+    const T* vp = v + rows[j] * v_row;
     const __m512 p = _mm512_set1_ps(scores[j]);
-    for (int64_t i = 0; i < chunks; ++i) acc[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vp + i * kLanes), acc[i]);
+    for (int64_t i = 0; i < chunks; ++i) acc[i] = _mm512_fmadd_ps(p, load16(vp + i * kLanes), acc[i]);
   }
   for (int64_t i = 0; i < chunks; ++i) _mm512_storeu_ps(out + i * kLanes, _mm512_mul_ps(acc[i], inv));
 }
 
-// q [H, n, hd]; keys, values [Hkv, c + n, hd] (this step's rows last); step_mask [n, n] bool (row r may see step row
-// s) or none (causal) -> [H, n, hd], all float32.
+// q [H, n, hd] float32; keys, values [Hkv, c + n, hd] float32 or bfloat16 (this step's rows last); step_mask [n, n]
+// bool (row r may see step row s) or none (causal) -> [H, n, hd] float32.
 at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values,
                           const std::optional<at::Tensor>& step_mask) {
   TORCH_CHECK(q_in.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "tree_attention: q, keys, values must be 3-d");
-  TORCH_CHECK(q_in.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
-                  values.scalar_type() == at::kFloat, "tree_attention: float32 only");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && values.scalar_type() == keys.scalar_type() &&
+                  (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16),
+              "tree_attention: float32 queries, float32 or bfloat16 keys and values");
   const int64_t heads = q_in.size(0), n = q_in.size(1), hd = q_in.size(2), kv_heads = keys.size(0);
   const int64_t total = keys.size(1), c = total - n;
   TORCH_CHECK(hd % kLanes == 0 && hd <= kLanes * kMaxChunks, "tree_attention: head_dim must be a multiple of 16, <= 256");
@@ -116,19 +126,23 @@ at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& keys, const 
   const int64_t group = heads / kv_heads, chunks = hd / kLanes;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float* qp = q.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // units ordered (kv head, head in its group, row): a thread's contiguous range shares key/value heads
-  at::parallel_for(0, heads * n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(c + n);
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t h = u / n, r = u % n, g = h / group;
-      attend_one(qp + (h * n + r) * hd, kp + g * keys.stride(0), vp + g * values.stride(0), keys.stride(1),
-                 values.stride(1), rows[r].data(), static_cast<int64_t>(rows[r].size()), chunks, scale,
-                 scores.data(), op + (h * n + r) * hd);
-    }
-  });
+  auto run = [&](const auto* kp, const auto* vp) {
+    // units ordered (kv head, head in its group, row): a thread's contiguous range shares key/value heads
+    at::parallel_for(0, heads * n, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(c + n);
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t h = u / n, r = u % n, g = h / group;
+        attend_one(qp + (h * n + r) * hd, kp + g * keys.stride(0), vp + g * values.stride(0), keys.stride(1),
+                   values.stride(1), rows[r].data(), static_cast<int64_t>(rows[r].size()), chunks, scale,
+                   scores.data(), op + (h * n + r) * hd);
+      }
+    });
+  };
+  if (keys.scalar_type() == at::kFloat)
+    run(keys.data_ptr<float>(), values.data_ptr<float>());
+  else
+    run(keys.data_ptr<at::BFloat16>(), values.data_ptr<at::BFloat16>());
   return out;
 }
 
