@@ -62,8 +62,8 @@ def load() -> None:
         raise EagleSpecError("eaglespec's bfloat16 kernel needs a CPU with AVX-512 BF16")
     print("eaglespec: loading its bfloat16 kernel (built on first use, ~10-30 s)", file=sys.stderr, flush=True)
     try:
-        build("eaglespec_kernels", [str(source) for source in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-              is_python_module=False, verbose=False)
+        build("eaglespec_kernels", [str(source) for source in SOURCES], extra_cflags=FLAGS,
+              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except (RuntimeError, OSError) as error:
         raise EagleSpecError(f"could not build eaglespec's bfloat16 kernel ({error}); set EAGLESPEC_BF16_GEMM=0 "
                              "to run without it") from error

@@ -22,11 +22,12 @@ after the prefix when the path is not already there). That is the same call plai
 so a verified row is bit-identical to it. Where eaglespec's decode-step attention kernel builds (a CPU with AVX-512
 BF16, `write_and_attend_tree`), one kernel call per layer does the same for every row at once: each row's pass
 over its visible keys has that same order and arithmetic. With `compile`, the compiled decode steps attend through
-it too (eaglespec.compiled). The prompt prefill is the same call in both and stays batched. Float32 targets keep one batched attention call by default: their verified
-logits differ from a one-token step's by float32 rounding only (~4e-5 of a logit on SmolLM2-135M), and the
-row-by-row calls would cost 25-80 ms more per step on 8-24 tree tokens (2 cores, benchmarks/RESULTS.md).
-`row_invariant=True` makes float32 decode steps bit-exact too (tests/test_packed.py); it also splits packed products
-too wide to be row-invariant into input chunks (`packed.pack_row_invariant`).
+it too (eaglespec.compiled). The prompt prefill is the same call in both and stays batched. Float32 targets keep
+one batched attention call by default: their verified logits differ from a one-token step's by float32 rounding
+only (~4e-5 of a logit on SmolLM2-135M), and the row-by-row calls would cost 25-80 ms more per step on 8-24 tree
+tokens (2 cores, benchmarks/RESULTS.md). `row_invariant=True` makes float32 decode steps bit-exact too
+(tests/test_packed.py); it also splits packed products too wide to be row-invariant into input chunks
+(`packed.pack_row_invariant`).
 """
 
 from __future__ import annotations
@@ -376,7 +377,9 @@ class FastTarget(TargetModel):
 
         x = self.embed_tokens(tokens)  # [n, d]
         feature_layers = self.eagle3_layers() if self.feature_kind == "eagle3" else ()
-        step_mask = allowed[:, c:].contiguous() if n > 1 else None  # [n, n] the kernel's mask (one token: none)
+        step_mask = None  # the kernel's [n, n] mask of step rows (contiguous: the compiled graph reads it raw)
+        if n > 1 and (self.tree_kernel or exact_kernel):
+            step_mask = allowed[:, c:].contiguous()
         if self.stack is not None and rows is None and c > 0:  # decode steps; prompt prefills stay eager
             x, saved = self.stack(x, cos, sin, self.layer_keys, self.layer_values, c,
                                   step_mask if self.tree_kernel else mask)

@@ -103,7 +103,8 @@ at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& keys, const 
               "tree_attention: float32 queries, float32 or bfloat16 keys and values");
   const int64_t heads = q_in.size(0), n = q_in.size(1), hd = q_in.size(2), kv_heads = keys.size(0);
   const int64_t total = keys.size(1), c = total - n;
-  TORCH_CHECK(hd % kLanes == 0 && hd <= kLanes * kMaxChunks, "tree_attention: head_dim must be a multiple of 16, <= 256");
+  TORCH_CHECK(hd % kLanes == 0 && hd <= kLanes * kMaxChunks,
+              "tree_attention: head_dim must be a multiple of 16, <= 256");
   TORCH_CHECK(keys.size(2) == hd && values.sizes() == keys.sizes() && c >= 0 && heads % kv_heads == 0,
               "tree_attention: keys/values must be [", kv_heads, ", c + ", n, ", ", hd, "]");
   TORCH_CHECK(keys.stride(2) == 1 && values.stride(2) == 1, "tree_attention: keys/values need a contiguous last dim");
