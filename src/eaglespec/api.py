@@ -60,7 +60,8 @@ class Engine:
         native bfloat16, float32 elsewhere. `fallback`: with tree="auto", decode without a draft when no tree is
         expected to beat plain decoding on this machine (the head is too weak for its cost here). `quantize`:
         "int8" / "int4" weight-only target on CPU (changes the model; output stays lossless w.r.t. it). `exact`:
-        verify passes bit-identical to one-token steps in any dtype (row-by-row attention; fast path only).
+        verify passes bit-identical to one-token steps in any dtype (each row attends as a one-token step does; fast
+        path only).
         `compile`: the target's decode steps through torch.compile (fast path; tens of seconds at start)."""
         if method not in METHODS:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")

@@ -48,9 +48,10 @@ def model_options(p: argparse.ArgumentParser) -> None:
                    help="CPU fast path: int8 / int4 weight-only target (2-4x fewer bytes per step; changes the "
                         "model slightly, like a Q8_0 / Q4_1 GGUF; output stays lossless w.r.t. it). Default none")
     g.add_argument("--exact", action="store_true",
-                   help="fast path: verify passes attend row by row, so speculative output is bit-identical to plain "
-                        "decoding in bfloat16 too (costs one attention call per tree token; float32 and --quantize "
-                        "need it less / always have it)")
+                   help="fast path: each verified row attends exactly as a one-token step does, so speculative "
+                        "output is bit-identical to plain decoding in bfloat16 too (eaglespec's attention kernel on "
+                        "CPUs with AVX-512 BF16, else one attention call per tree token; --compile on such a CPU is "
+                        "bit-exact without it; float32 and --quantize need it less / always have it)")
     g.add_argument("--compile", action="store_true",
                    help="fast path: run the target's decode steps through torch.compile (fuses the small operations "
                         "between matrix products; needs a C++ compiler on a CPU; compiles for tens of seconds at "

@@ -40,7 +40,7 @@ dynamo recompile every round (guards on strides).
 Costs: compiling a target takes ~1-4 minutes on 2 cores (three graphs, done by `warm_up`; inductor's on-disk cache
 makes later processes faster; prompt prefills stay eager); it needs a C++ compiler; the layers hold their weights
 twice (the model's and the packed copy; peak RSS +0.5 GB for SmolLM2-135M). Off by default; quantized targets and
-`--exact` (row-by-row attention) are not compiled.
+`--exact` (eager row-invariant steps) are not compiled.
 """
 
 from __future__ import annotations

@@ -184,6 +184,8 @@ class FastTarget(TargetModel):
         # between steps. Prefills and other attention calls widen the slice they read (`write_and_attend`).
         kernel_steps = self.tree_kernel or (self.attention_kernel and self.row_invariant)
         self.cache_dtype = self.dtype if kernel_steps and self.dtype == torch.bfloat16 else self.attention_dtype
+        if kernel_steps:
+            bf16gemm.load()  # now, not in the middle of the first generation
         head = self.lm_head
         if self.bf16_gemm:
             self.logits_head: Linear = bf16gemm.Bf16Linear(head.weight, head.bias)
@@ -369,7 +371,7 @@ class FastTarget(TargetModel):
         rows = None
         exact_kernel = self.row_invariant and self.attention_kernel and tree_mask is not None
         if exact_kernel:
-            bf16gemm.load()  # (built and loaded once per process; --compile loads it with the products)
+            bf16gemm.load()  # (a cached call: loaded at construction, unless row_invariant was set later)
         if self.row_invariant and tree_mask is not None and not exact_kernel:
             rows = [c + 1] if n == 1 else self._visible_rows(allowed[:, c:], c)
         cos, sin = self.cos[positions][None], self.sin[positions][None]  # [1, n, hd]
