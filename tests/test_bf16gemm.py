@@ -45,6 +45,20 @@ def test_matches_the_product_and_is_row_invariant(n, k, with_bias):
     assert torch.equal(linear(x[9:10]), whole[9:10])
 
 
+def test_long_inputs_run_in_chunks_with_the_same_bits():
+    """More than 64 rows (a prefill) take several passes over the weights; every row keeps its one-row bits, and
+    calls of 7-64 rows (several tiles taking turns over blocks of k) match them too."""
+    torch.manual_seed(3)
+    weight, bias = torch.randn(200, 1000).bfloat16(), torch.randn(200).bfloat16()
+    linear = bf16gemm.Bf16Linear(weight, bias)
+    x = torch.randn(150, 1000).bfloat16()
+    whole = linear(x)
+    single = torch.cat([linear(x[i : i + 1]) for i in range(150)])
+    assert torch.equal(whole, single)
+    for rows in (7, 13, 24, 64, 65):
+        assert torch.equal(linear(x[:rows]), single[:rows]), f"a {rows}-row call differs from one-row calls"
+
+
 def test_leading_dimensions_and_empty_input():
     weight = torch.randn(70, 32).bfloat16()
     linear = bf16gemm.Bf16Linear(weight)
