@@ -32,6 +32,18 @@ def cache(kv_heads, rows, hd, seed):
     return (torch.randn(kv_heads, capacity, hd, generator=g), torch.randn(kv_heads, capacity, hd, generator=g))
 
 
+def attend(q, keys, values, end, step_mask):
+    """The kernel over cache rows [0, end): keys go in transposed, [Hkv, hd, capacity], as FastTarget keeps them."""
+    keys_t = keys.transpose(1, 2).contiguous()
+    return torch.ops.eaglespec.tree_attention(q, keys_t[:, :, :end], values[:, :end], step_mask)
+
+
+def random_tree(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    return DraftTree(torch.zeros(n, dtype=torch.long), torch.tensor(parents))
+
+
 @pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (4, 4, 16), (4, 2, 128), (2, 1, 256)])
 @pytest.mark.parametrize("c", [0, 1, 37, 300])
 def test_matches_torch_attention_over_the_visible_keys(heads, kv_heads, hd, c):
@@ -40,7 +52,7 @@ def test_matches_torch_attention_over_the_visible_keys(heads, kv_heads, hd, c):
     q = torch.randn(heads, n, hd)
     tree = TREE.ancestor_mask()  # [n, n]
     for step_mask in (tree, None):  # None: causal
-        out = torch.ops.eaglespec.tree_attention(q, keys[:, : c + n], values[:, : c + n], step_mask)
+        out = attend(q, keys, values, c + n, step_mask)
         visible = torch.ones(n, c + n, dtype=torch.bool)
         visible[:, c:] = tree if step_mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
         expected = F.scaled_dot_product_attention(q[None], keys[None, :, : c + n], values[None, :, : c + n],
@@ -49,22 +61,22 @@ def test_matches_torch_attention_over_the_visible_keys(heads, kv_heads, hd, c):
         torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
 
 
-@pytest.mark.parametrize("c", [0, 5, 130])
-def test_a_tree_row_has_the_bits_of_the_one_token_step_over_its_path(c):
+@pytest.mark.parametrize("c,tree", [(0, TREE), (5, TREE), (130, TREE), (70, random_tree(23, 1)),
+                                    (300, random_tree(64, 2))])
+def test_a_tree_row_has_the_bits_of_the_one_token_step_over_its_path(c, tree):
     """Row i of a verify pass sees the prefix and its path; plain decoding reaches the same token with that path
-    committed in order after the prefix. Both calls must give the same bits."""
-    heads, kv_heads, hd, n = 9, 3, 64, len(TREE)
+    committed in order after the prefix. Both calls must give the same bits (also for trees whose rows the kernel
+    splits over several tasks and key blocks)."""
+    heads, kv_heads, hd, n = 9, 3, 64, len(tree)
     keys, values = cache(kv_heads, c + n, hd, seed=c)
     q = torch.randn(heads, n, hd).bfloat16().float()  # (the model's queries are bfloat16 values)
-    step = (slice(None), slice(0, c + n))
-    tree_out = torch.ops.eaglespec.tree_attention(q, keys[step], values[step], TREE.ancestor_mask())
+    tree_out = attend(q, keys, values, c + n, tree.ancestor_mask())
     for row in range(n):
-        path = TREE.path(row)
+        path = tree.path(row)
         line_keys, line_values = keys.clone(), values.clone()
         line_keys[:, c : c + len(path)] = keys[:, [c + p for p in path]]
         line_values[:, c : c + len(path)] = values[:, [c + p for p in path]]
-        end = c + len(path)
-        one = torch.ops.eaglespec.tree_attention(q[:, row : row + 1], line_keys[:, :end], line_values[:, :end], None)
+        one = attend(q[:, row : row + 1], line_keys, line_values, c + len(path), None)
         assert torch.equal(one[:, 0], tree_out[:, row]), f"row {row} (path {path})"
 
 
@@ -73,16 +85,20 @@ def test_a_bfloat16_cache_gives_the_bits_of_its_float32_copy():
     gives the same output as the same values held in float32."""
     keys, values = (t.bfloat16() for t in cache(3, 60 + len(TREE), 64, seed=3))
     q = torch.randn(9, len(TREE), 64)
-    step = (slice(None), slice(0, 60 + len(TREE)))
-    half = torch.ops.eaglespec.tree_attention(q, keys[step], values[step], TREE.ancestor_mask())
-    full = torch.ops.eaglespec.tree_attention(q, keys[step].float(), values[step].float(), TREE.ancestor_mask())
+    end = 60 + len(TREE)
+    half = attend(q, keys, values, end, TREE.ancestor_mask())
+    full = attend(q, keys.float(), values.float(), end, TREE.ancestor_mask())
     assert torch.equal(half, full)
 
 
 def test_bad_input_is_a_clear_error():
     keys, values = cache(2, 8, 16, seed=0)
+    keys = keys[:, :8].transpose(1, 2).contiguous()  # [2, 16, 8]: 8 keys, transposed
+    values = values[:, :8]
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        torch.ops.eaglespec.tree_attention(torch.randn(4, 2, 8), keys[..., :8], values[..., :8], None)
+        torch.ops.eaglespec.tree_attention(torch.randn(4, 2, 8), keys[:, :8], values[..., :8], None)
+    with pytest.raises(RuntimeError, match=r"keys_t must be \[2, 16, c \+ 2\]"):
+        torch.ops.eaglespec.tree_attention(torch.randn(4, 2, 16), keys.transpose(1, 2), values, None)
     with pytest.raises(RuntimeError, match=r"step_mask must be \[n, n\]"):
         torch.ops.eaglespec.tree_attention(torch.randn(4, 2, 16), keys, values, torch.ones(3, 3, dtype=torch.bool))
     with pytest.raises(RuntimeError, match="float32 queries"):

@@ -111,8 +111,9 @@ class DecodeStack(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor], c: int,
                 mask: Tensor | None, kind: str, owner: str) -> tuple[Tensor, list[Tensor]]:
-        """keys, values: per layer [Hkv, capacity, hd] (FastTarget's cache, written in place); mask: [1, 1, n, c + n]
-        bool, or with `tree_kernel` the step rows' [n, n] part; None for one token. `kind` (`graph_kind`)
+        """keys, values: per layer [Hkv, capacity, hd] (FastTarget's cache, written in place; keys [Hkv, hd, capacity]
+        with `tree_kernel`); mask: [1, 1, n, c + n] bool, or with `tree_kernel` the step rows' [n, n] part; None for
+        one token. `kind` (`graph_kind`)
         and `owner` (this module's `owner`) only key the graph: dynamo guards on them, so each kind of step of each
         target gets its own compiled graph (`compile_stack` drops the guards on the module itself)."""
         from .fastpath import decoder_layer, write_and_attend, write_and_attend_tree

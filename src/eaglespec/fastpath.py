@@ -99,14 +99,20 @@ def decoder_layer(layer, x: Tensor, cos: Tensor, sin: Tensor, heads: tuple[int, 
 
 
 def write_and_attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, c: int,
-                     mask: Tensor | None) -> Tensor:
+                     mask: Tensor | None, keys_transposed: bool = False) -> Tensor:
     """Write this step's keys and values to cache rows c..c+n-1 of one layer, then attend over rows [0, c + n).
-    q [H, n, hd]; k, v [Hkv, n, hd]; keys, values [Hkv, capacity, hd] (one layer's cache, written in place); mask
-    [1, 1, n, c + n] bool or None (a one-token step sees every row). Returns [H, n, hd]."""
+    q [H, n, hd]; k, v [Hkv, n, hd]; keys, values [Hkv, capacity, hd] (one layer's cache, written in place; keys
+    [Hkv, hd, capacity] with `keys_transposed`, the layout of `write_and_attend_tree`); mask [1, 1, n, c + n] bool
+    or None (a one-token step sees every row). Returns [H, n, hd]."""
     n = q.shape[1]
-    keys[:, c : c + n] = k
+    if keys_transposed:
+        keys[:, :, c : c + n] = k.transpose(1, 2)
+        seen_keys = keys[:, :, : c + n].transpose(1, 2).contiguous()  # (attention's result depends on the layout)
+    else:
+        keys[:, c : c + n] = k
+        seen_keys = keys[:, : c + n]
     values[:, c : c + n] = v
-    seen_keys, seen_values = keys[:, : c + n].to(q.dtype), values[:, : c + n].to(q.dtype)  # (a bfloat16 cache widened)
+    seen_keys, seen_values = seen_keys.to(q.dtype), values[:, : c + n].to(q.dtype)  # (a bfloat16 cache widened)
     return F.scaled_dot_product_attention(q[None], seen_keys[None], seen_values[None], attn_mask=mask,
                                           enable_gqa=q.shape[0] != k.shape[0])[0]
 
@@ -115,12 +121,13 @@ def write_and_attend_tree(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values:
                           step_mask: Tensor | None) -> Tensor:
     """`write_and_attend` through eaglespec's decode-step attention (csrc/tree_attention.cpp, float32, AVX-512):
     each query row attends over the cached prefix and then its own path of step rows, in sequence order, so a
-    verified tree row gets the bits of the one-token step that would compute it. step_mask [n, n] bool (row r sees
-    step row s: its ancestors and itself) or None (causal; a one-token step). Returns [H, n, hd]."""
+    verified tree row gets the bits of the one-token step that would compute it. keys: [Hkv, hd, capacity], the
+    cache's keys transposed (the kernel scores 16 keys as one vector); values [Hkv, capacity, hd]. step_mask [n, n]
+    bool (row r sees step row s: its ancestors and itself) or None (causal; a one-token step). Returns [H, n, hd]."""
     n = q.shape[1]
-    keys[:, c : c + n] = k
+    keys[:, :, c : c + n] = k.transpose(1, 2)
     values[:, c : c + n] = v
-    return torch.ops.eaglespec.tree_attention(q, keys[:, : c + n], values[:, : c + n], step_mask)
+    return torch.ops.eaglespec.tree_attention(q, keys[:, :, : c + n], values[:, : c + n], step_mask)
 
 
 @dataclass
@@ -184,6 +191,7 @@ class FastTarget(TargetModel):
         # between steps. Prefills and other attention calls widen the slice they read (`write_and_attend`).
         kernel_steps = self.tree_kernel or (self.attention_kernel and self.row_invariant)
         self.cache_dtype = self.dtype if kernel_steps and self.dtype == torch.bfloat16 else self.attention_dtype
+        self.keys_transposed = kernel_steps  # the kernel's key layout, [kv_heads, head_dim, capacity]
         if kernel_steps:
             bf16gemm.load()  # now, not in the middle of the first generation
         head = self.lm_head
@@ -236,20 +244,22 @@ class FastTarget(TargetModel):
 
     # ---- static cache --------------------------------------------------------------------------------
     def _grow(self, capacity: int) -> None:
-        """(Re)allocate the cache: per layer, [kv_heads, capacity, head_dim] keys and values (`cache_dtype`).
+        """(Re)allocate the cache: per layer, [kv_heads, capacity, head_dim] keys and values (`cache_dtype`; keys
+        [kv_heads, head_dim, capacity] with `keys_transposed`).
 
         One tensor per layer, each its own storage: the compiled layers write them in place, and views of one
         [layers, ...] tensor made dynamo check every pair of layers' written slices for overlap before each call
         (3,800 Python guards for 30 layers, ~1 ms a step; a write into a slice of the 4-d tensor itself became a
         copy of all of it per layer)."""
-        def grown(old: Tensor | None) -> Tensor:
-            new = torch.zeros(self.n_kv, capacity, self.head_dim, dtype=self.cache_dtype, device=self.device)
+        def grown(old: Tensor | None, transposed: bool = False) -> Tensor:
+            shape = (self.n_kv, self.head_dim, capacity) if transposed else (self.n_kv, capacity, self.head_dim)
+            new = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
             if old is not None:
-                new[:, : self.capacity] = old
+                (new[..., : self.capacity] if transposed else new[:, : self.capacity]).copy_(old)
             return new
 
         none = [None] * len(self.layers)  # nothing to copy on the first allocation
-        self.layer_keys = [grown(old) for old in (self.layer_keys if self.capacity else none)]
+        self.layer_keys = [grown(old, self.keys_transposed) for old in (self.layer_keys if self.capacity else none)]
         self.layer_values = [grown(old) for old in (self.layer_values if self.capacity else none)]
         self.capacity = capacity
         positions = torch.arange(capacity, dtype=torch.float32)
@@ -261,7 +271,8 @@ class FastTarget(TargetModel):
     @property
     def keys(self) -> Tensor:
         """A copy of the key cache, [layers, kv_heads, capacity, head_dim] (for inspection)."""
-        return torch.stack(self.layer_keys)
+        keys = torch.stack(self.layer_keys)
+        return keys.transpose(2, 3).contiguous() if self.keys_transposed else keys
 
     @property
     def values(self) -> Tensor:
@@ -291,8 +302,13 @@ class FastTarget(TargetModel):
                 start += 1
             if start < m:
                 rows = c + keep[start:].to(self.device)
-                for cache in (*self.layer_keys, *self.layer_values):
+                for cache in self.layer_values:
                     cache[:, c + start : c + m] = cache[:, rows]  # gather first (a copy), then write
+                for cache in self.layer_keys:
+                    if self.keys_transposed:
+                        cache[..., c + start : c + m] = cache[..., rows]
+                    else:
+                        cache[:, c + start : c + m] = cache[:, rows]
             self.cache_len += m
         self._pending = 0
 
@@ -370,8 +386,10 @@ class FastTarget(TargetModel):
         # Row-invariant steps: for each query row, the end of the cache slice it sees, or its path of step rows.
         rows = None
         exact_kernel = self.row_invariant and self.attention_kernel and tree_mask is not None
-        if exact_kernel:
-            bf16gemm.load()  # (a cached call: loaded at construction, unless row_invariant was set later)
+        if exact_kernel and not self.keys_transposed:  # row_invariant was set after construction
+            bf16gemm.load()
+            self.layer_keys = [keys.transpose(1, 2).contiguous() for keys in self.layer_keys]  # the kernel's layout
+            self.keys_transposed = True
         if self.row_invariant and tree_mask is not None and not exact_kernel:
             rows = [c + 1] if n == 1 else self._visible_rows(allowed[:, c:], c)
         cos, sin = self.cos[positions][None], self.sin[positions][None]  # [1, n, hd]
@@ -396,7 +414,7 @@ class FastTarget(TargetModel):
                                      c=c, step_mask=step_mask)
                 elif rows is None:
                     attend = partial(write_and_attend, keys=self.layer_keys[i], values=self.layer_values[i], c=c,
-                                     mask=mask)
+                                     mask=mask, keys_transposed=self.keys_transposed)
                 else:
                     attend = partial(self._write_and_attend_rows, i, rows)
                 x = decoder_layer(layer, x, cos, sin, heads, self.eps, self.attention_dtype, attend)
