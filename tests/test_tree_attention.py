@@ -107,6 +107,25 @@ def test_bad_input_is_a_clear_error():
         torch.ops.eaglespec.tree_attention(torch.randn(4, 2, 16), keys.half(), values.half(), None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_commit_rows_moves_the_accepted_path_in_every_layer(dtype):
+    """csrc/commit_rows.cpp: rows c + rows[i] -> c + i in every layer's transposed keys and values, the rest as it
+    was; what FastTarget.commit did with one indexing call per cache."""
+    keys_t = [torch.randn(3, 64, 50).to(dtype) for _ in range(4)]  # [Hkv, hd, capacity]
+    values = [torch.randn(3, 50, 64).to(dtype) for _ in range(4)]  # [Hkv, capacity, hd]
+    c, rows = 30, [0, 2, 5, 6]
+    src = c + torch.tensor(rows)
+    expected_k, expected_v = [k.clone() for k in keys_t], [v.clone() for v in values]
+    for k, v in zip(expected_k, expected_v):
+        k[..., c : c + len(rows)] = k[..., src]
+        v[:, c : c + len(rows)] = v[:, src]
+    torch.ops.eaglespec.commit_rows(keys_t, values, c, rows)
+    assert all(torch.equal(a, b) for a, b in zip(keys_t, expected_k))
+    assert all(torch.equal(a, b) for a, b in zip(values, expected_v))
+    with pytest.raises(RuntimeError, match="rows must ascend"):
+        torch.ops.eaglespec.commit_rows(keys_t, values, c, [0, 3, 2])
+
+
 @pytest.fixture(scope="module")
 def model():
     # head_dim 16, GQA; bfloat16 as the default dtype on a CPU with AVX-512 BF16

@@ -29,6 +29,8 @@ heads, kv_heads, hd, layers, capacity = 9, 3, 64, 30, 1024
 keys = [torch.randn(kv_heads, capacity, hd) for _ in range(layers)]
 values = [torch.randn(kv_heads, capacity, hd) for _ in range(layers)]
 keys16, values16 = [k.bfloat16() for k in keys], [v.bfloat16() for v in values]
+# the kernel takes keys transposed, [kv_heads, head_dim, capacity], as FastTarget caches them for it
+keys_t, keys16_t = ([k.transpose(1, 2).contiguous() for k in ks] for ks in (keys, keys16))
 
 print(f"ms for {layers} layers, {args.threads} threads, median of {args.repeats}")
 print("| cached keys | query rows | kernel, float32 cache | kernel, bfloat16 cache | torch, float32 cache |")
@@ -41,12 +43,12 @@ for c in (int(v) for v in args.contexts.split(",")):
         visible[..., c:] = step_mask
 
         def kernel():
-            for k, v in zip(keys, values):
-                torch.ops.eaglespec.tree_attention(q, k[:, : c + n], v[:, : c + n], step_mask if n > 1 else None)
+            for k, v in zip(keys_t, values):
+                torch.ops.eaglespec.tree_attention(q, k[..., : c + n], v[:, : c + n], step_mask if n > 1 else None)
 
         def kernel16():
-            for k, v in zip(keys16, values16):
-                torch.ops.eaglespec.tree_attention(q, k[:, : c + n], v[:, : c + n], step_mask if n > 1 else None)
+            for k, v in zip(keys16_t, values16):
+                torch.ops.eaglespec.tree_attention(q, k[..., : c + n], v[:, : c + n], step_mask if n > 1 else None)
 
         def reference():
             for k, v in zip(keys, values):

@@ -5,7 +5,10 @@ products cost ~13 us a call and stream these shapes at 17-22 GB/s, and inductor'
 float32 FMAs (4.7x slower than oneDNN at 8 rows; benchmarks/RESULTS.md, session 14). This kernel reads the packed
 weight once per call and multiplies with vdpbf16ps: all matrix products of a SmolLM2-135M step (2 cores, called
 from Python, `benchmarks/scripts/bf16_gemm_cost.py`) take ~10-10.6 ms for 1-6 rows and 11.7 ms for 8, against
-13.4-15.5 ms with oneDNN (RESULTS.md, session 15). Each row gets the same bits whatever the number of rows in the call.
+13.4-15.5 ms with oneDNN (RESULTS.md, session 15). Calls of 7-64 rows run several register tiles over each weight
+block while it is in L1 and prefetch the next, so the weights still stream once (session 17, a Zen 5 machine: 16
+rows ~8.6 -> ~7.1-7.5 ms against ~6 for one row; `benchmarks/scripts/kernel_ab.py`). Each row gets the same bits
+whatever the number of rows in the call.
 
 The C++ source is compiled on first use with torch's extension builder (g++, ~10-30 s, cached under
 ~/.cache/torch_extensions) and registers `torch.ops.eaglespec.bf16_linear`, an operator torch.compile keeps as one
@@ -24,8 +27,10 @@ from torch import Tensor, nn
 
 from .errors import EagleSpecError
 
-# The bfloat16 products and the decode-step attention (csrc/tree_attention.cpp), built as one extension.
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bf16_gemm.cpp", "tree_attention.cpp")]
+# The bfloat16 products, the decode-step attention (csrc/tree_attention.cpp) and the KV-cache commit of an accepted
+# path (csrc/commit_rows.cpp), built as one extension.
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("bf16_gemm.cpp", "tree_attention.cpp", "commit_rows.cpp")]
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
 
 
@@ -55,7 +60,8 @@ def available(dtype: torch.dtype, device: torch.device | str) -> bool:
 
 @functools.cache
 def load() -> None:
-    """Build (first time only) and load the kernels; registers torch.ops.eaglespec.bf16_* and tree_attention."""
+    """Build (first time only) and load the kernels; registers torch.ops.eaglespec.bf16_*, tree_attention and
+    commit_rows."""
     from torch.utils.cpp_extension import load as build
 
     if not cpu_supported():

@@ -300,15 +300,12 @@ class FastTarget(TargetModel):
             start = 0  # the leading kept rows already in place (a plain step, the first nodes of a path) stay
             while start < m and kept[start] == start:
                 start += 1
-            if start < m:
+            if start < m and self.keys_transposed:  # the kernel's layout: one call for every layer
+                torch.ops.eaglespec.commit_rows(self.layer_keys, self.layer_values, c, kept)
+            elif start < m:
                 rows = c + keep[start:].to(self.device)
-                for cache in self.layer_values:
+                for cache in (*self.layer_keys, *self.layer_values):
                     cache[:, c + start : c + m] = cache[:, rows]  # gather first (a copy), then write
-                for cache in self.layer_keys:
-                    if self.keys_transposed:
-                        cache[..., c + start : c + m] = cache[..., rows]
-                    else:
-                        cache[:, c + start : c + m] = cache[:, rows]
             self.cache_len += m
         self._pending = 0
 

@@ -1,0 +1,56 @@
+// Committing an accepted draft path into every layer's KV cache in one call.
+//
+// After a verify pass over n tree rows written at cache rows c .. c+n-1, the accepted path (node indices
+// 0 = rows[0] < rows[1] < ... < rows[m-1]) must end up in rows c .. c+m-1. With 30 layers of keys and values that
+// was 60 indexing calls from Python (~0.25 ms a step on 2 cores); here it is one call of small copies. The keys are
+// in the decode-step attention's transposed layout [Hkv, hd, capacity], the values [Hkv, capacity, hd].
+//
+// Copying in order of i is safe in place: row c + i is written after every read from it, since rows[j] >= j > i
+// for all later j.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+void commit_rows(at::TensorList keys_t, at::TensorList values, int64_t c, at::IntArrayRef rows) {
+  TORCH_CHECK(keys_t.size() == values.size(), "commit_rows: as many key as value caches");
+  const int64_t m = static_cast<int64_t>(rows.size());
+  for (int64_t i = 0; i < m; ++i)
+    TORCH_CHECK(rows[i] >= i && (i == 0 || rows[i] > rows[i - 1]), "commit_rows: rows must ascend from >= 0");
+  for (size_t layer = 0; layer < keys_t.size(); ++layer) {
+    const at::Tensor& k = keys_t[layer];
+    const at::Tensor& v = values[layer];
+    TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() && k.device().is_cpu() &&
+                    v.device().is_cpu() && k.size(2) == v.size(1) && c + (m ? rows[m - 1] : 0) < k.size(2),
+                "commit_rows: keys_t [Hkv, hd, capacity] and values [Hkv, capacity, hd], contiguous CPU tensors "
+                "holding rows c + rows");
+    const int64_t size = k.element_size(), lines = k.size(0) * k.size(1), capacity = k.size(2);
+    auto* kp = static_cast<char*>(k.data_ptr());
+    for (int64_t line = 0; line < lines; ++line) {  // keys: one element per (head, d) line and row
+      char* base = kp + line * capacity * size;
+      for (int64_t i = 0; i < m; ++i)
+        if (rows[i] != i) std::memcpy(base + (c + i) * size, base + (c + rows[i]) * size, size);
+    }
+    const int64_t vsize = v.element_size(), heads = v.size(0), hd = v.size(2);
+    auto* vp = static_cast<char*>(v.data_ptr());
+    for (int64_t h = 0; h < heads; ++h) {  // values: one row of hd elements per head and row
+      char* base = vp + h * capacity * hd * vsize;
+      for (int64_t i = 0; i < m; ++i)
+        if (rows[i] != i) std::memcpy(base + (c + i) * hd * vsize, base + (c + rows[i]) * hd * vsize, hd * vsize);
+    }
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(eaglespec, m) {
+  m.def("commit_rows(Tensor(a!)[] keys_t, Tensor(b!)[] values, int c, int[] rows) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
+  m.impl("commit_rows", commit_rows);
+}
