@@ -7,7 +7,7 @@ weight once per call and multiplies with vdpbf16ps: all matrix products of a Smo
 from Python, `benchmarks/scripts/bf16_gemm_cost.py`) take ~10-10.6 ms for 1-6 rows and 11.7 ms for 8, against
 13.4-15.5 ms with oneDNN (RESULTS.md, session 15). Calls of 7-64 rows run several register tiles over each weight
 block while it is in L1 and prefetch the next, so the weights still stream once (session 17, a Zen 5 machine: 16
-rows ~8.6 -> ~7.1-7.5 ms against ~6 for one row; `benchmarks/scripts/kernel_ab.py`). Each row gets the same bits
+rows 7.31 -> 5.56 ms against 3.81 for one row; `benchmarks/scripts/kernel_ab.py`). Each row gets the same bits
 whatever the number of rows in the call.
 
 The C++ source is compiled on first use with torch's extension builder (g++, ~10-30 s, cached under
