@@ -118,7 +118,7 @@ float softmax(float* scores, int64_t count, float scale) {
 }
 
 // out_p[d] = inv_p * sum over logical keys j in order of p_j v_j[d] for P pairs: the c shared prefix rows (all
-// pairs read each value row once), then each pair's own path rows path[p][0 .. lens[p]) (physical cache rows).
+// pairs read each value row once), then each pair's own path: step rows path[p][0 .. lens[p]), cache rows c + s.
 template <int P, typename T>
 void weigh_values(const float* const* probs, const T* v, int64_t v_row, int64_t chunks, int64_t c,
                   const int64_t* const* path, const int64_t* lens, const float* inv, float* const* outs) {
@@ -146,7 +146,7 @@ void weigh_values(const float* const* probs, const T* v, int64_t v_row, int64_t 
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) {
       for (int64_t k = 0; k < lens[p]; ++k) {
-        const T* row = v + path[p][k] * v_row + i0 * kLanes;
+        const T* row = v + (c + path[p][k]) * v_row + i0 * kLanes;
         const __m512 pj = _mm512_set1_ps(probs[p][c + k]);
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) acc[p][i] = _mm512_fmadd_ps(pj, load16(row + i * kLanes, use[i]), acc[p][i]);
@@ -184,22 +184,10 @@ void attend_pairs(const int64_t* hs, const int64_t* rs, const float* q, int64_t 
     float* dst = logical + p * stride;
     std::copy(raw + p * stride, raw + p * stride + c, dst);
     lens[p] = static_cast<int64_t>(steps.size());
+    path[p] = steps.data();
     for (int64_t k = 0; k < lens[p]; ++k) dst[c + k] = raw[p * stride + c + steps[k]];
     inv[p] = softmax(dst, c + lens[p], scale);
     probs[p] = dst;
-  }
-  // the physical cache rows of each pair's path: c + s
-  int64_t rows[P][kLanes * 4];
-  std::vector<int64_t> long_rows[P];
-  for (int p = 0; p < P; ++p) {
-    const std::vector<int64_t>& steps = paths[rs[p]];
-    int64_t* dst = rows[p];
-    if (lens[p] > kLanes * 4) {
-      long_rows[p].resize(lens[p]);
-      dst = long_rows[p].data();
-    }
-    for (int64_t k = 0; k < lens[p]; ++k) dst[k] = c + steps[k];
-    path[p] = dst;
   }
   weigh_values<P>(probs, v, v_row, hd / kLanes, c, path, lens, inv, outs);
 }
