@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from eaglespec import bf16gemm
+from eaglespec.errors import EagleSpecError
 from eaglespec.fastpath import FastTarget
 
 from conftest import make_model
@@ -20,17 +21,27 @@ pytestmark = [
 SHAPES = [(960, 576, False), (576, 1536, True), (100, 577, True), (7, 3, False), (130, 64, True)]
 
 
+@pytest.fixture(params=sorted(bf16gemm.VARIANTS))
+def variant(request, monkeypatch):
+    """Each multiply loop of the kernel (vdpbf16ps and float32 FMAs), forced through $EAGLESPEC_BF16_KERNEL."""
+    monkeypatch.setenv(bf16gemm.VARIANT_ENV, request.param)
+    bf16gemm.variant.cache_clear()
+    yield request.param
+    bf16gemm.variant.cache_clear()
+
+
 def reference(x, weight, bias):
     y = x.double() @ weight.double().T  # exact products of bfloat16 values
     return (y if bias is None else y + bias.double()).float()
 
 
 @pytest.mark.parametrize("n,k,with_bias", SHAPES)
-def test_matches_the_product_and_is_row_invariant(n, k, with_bias):
+def test_matches_the_product_and_is_row_invariant(n, k, with_bias, variant):
     torch.manual_seed(n + k)
     weight = torch.randn(n, k).bfloat16()
     bias = torch.randn(n).bfloat16() if with_bias else None
     linear = bf16gemm.Bf16Linear(weight, bias)
+    assert linear.variant == bf16gemm.VARIANTS[variant]
     x = torch.randn(17, k).bfloat16()
     whole = linear(x)  # [17, n]: tiles of 6 + 6 + 5 rows
     assert whole.dtype == torch.bfloat16 and whole.shape == (17, n)
@@ -45,7 +56,7 @@ def test_matches_the_product_and_is_row_invariant(n, k, with_bias):
     assert torch.equal(linear(x[9:10]), whole[9:10])
 
 
-def test_long_inputs_run_in_chunks_with_the_same_bits():
+def test_long_inputs_run_in_chunks_with_the_same_bits(variant):
     """More than 64 rows (a prefill) take several passes over the weights; every row keeps its one-row bits, and
     calls of 7-64 rows (several tiles taking turns over blocks of k) match them too."""
     torch.manual_seed(3)
@@ -162,3 +173,46 @@ def test_a_failed_build_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.utils.cpp_extension, "load", broken)
     with pytest.raises(EagleSpecError, match="EAGLESPEC_BF16_GEMM=0"):
         bf16gemm.load.__wrapped__()  # (load() itself is cached: the kernel is already built in this process)
+
+
+def test_the_multiply_loop_is_measured_once_per_machine_and_cached(monkeypatch, tmp_path):
+    """Without $EAGLESPEC_BF16_KERNEL the faster loop is measured, kept only if clearly faster, and read back from
+    the cache on later runs (so a machine always gets the same bits)."""
+    monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv(bf16gemm.VARIANT_ENV, raising=False)
+    bf16gemm.variant.cache_clear()
+    try:
+        monkeypatch.setattr(bf16gemm, "_time_variants", lambda threads: {"dpbf16": 1.4, "fma": 1.0})
+        assert bf16gemm.variant() == "fma"
+        assert list((tmp_path / "kernels").glob("*.json"))
+
+        def not_again(threads):
+            raise AssertionError("measured again although the choice is cached")
+
+        monkeypatch.setattr(bf16gemm, "_time_variants", not_again)
+        bf16gemm.variant.cache_clear()
+        assert bf16gemm.variant() == "fma"
+
+        for path in (tmp_path / "kernels").glob("*.json"):
+            path.unlink()
+        monkeypatch.setattr(bf16gemm, "_time_variants", lambda threads: {"dpbf16": 1.05, "fma": 1.0})
+        bf16gemm.variant.cache_clear()
+        assert bf16gemm.variant() == "dpbf16"  # within the margin: vdpbf16ps stays
+
+        times = bf16gemm._time_variants(1)  # the real measurement runs and times both loops
+        assert set(times) == set(bf16gemm.VARIANTS) and all(ms > 0 for ms in times.values())
+    finally:
+        bf16gemm.variant.cache_clear()
+
+
+def test_an_unknown_loop_name_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(bf16gemm.VARIANT_ENV, "amx")
+    bf16gemm.variant.cache_clear()
+    try:
+        with pytest.raises(EagleSpecError, match="use auto, dpbf16 or fma"):
+            bf16gemm.variant()
+    finally:
+        bf16gemm.variant.cache_clear()
+    with pytest.raises(RuntimeError, match="variant must be 0"):
+        torch.ops.eaglespec.bf16_linear(torch.randn(2, 32).bfloat16(), torch.ops.eaglespec.bf16_pack(
+            torch.randn(64, 32).bfloat16()), 64, None, 2)

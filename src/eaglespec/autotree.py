@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from . import bf16gemm
 from .drafters import EagleDrafter, TreeSettings, VanillaDrafter
 from .target import TargetModel
 
@@ -51,11 +52,12 @@ CALIBRATION_TOP_K = 8
 TREE_SIZES = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # total_tokens candidates (root included)
 DEPTHS = tuple(range(1, CALIBRATION_DEPTH + 1))
 TOP_KS = (1, 2, 3, 4, 6, 8)
-VERSION = 10  # bump when the calibration changes meaning (3: bfloat16 packed, float32 attention; 4: draft time
+VERSION = 11  # bump when the calibration changes meaning (3: bfloat16 packed, float32 attention; 4: draft time
 # includes the round start, timed after a target forward; 5: --compile runs three graphs by tree size; 6: and
 # compiles the head step; 7: compiled bfloat16 products through eaglespec's own kernel, per-layer caches; 8: and
 # the head's, without guards on the compiled modules; 9: decode-step attention through eaglespec's kernel; 10:
-# the kernel's products of 7-64 rows stream the weights once)
+# the kernel's products of 7-64 rows stream the weights once; 11: its multiply loop is chosen per machine, and is
+# part of the key)
 
 
 @dataclass
@@ -304,6 +306,7 @@ def _target_key(target: TargetModel) -> str:
     return "|".join([str(VERSION), _fingerprint(target.model), type(target).__name__, str(target.dtype),
                      str(target.quantize), str(getattr(target, "pack", False)),
                      str(getattr(target, "row_invariant", False)), str(getattr(target, "compiled", False)),
+                     bf16gemm.variant() if getattr(target, "bf16_gemm", False) else "-",
                      getattr(target.config, "_name_or_path", ""), str(target.num_layers), str(target.hidden_size),
                      machine_key()])
 

@@ -10,6 +10,11 @@ block while it is in L1 and prefetch the next, so the weights still stream once 
 rows 7.31 -> 5.56 ms against 3.81 for one row; `benchmarks/scripts/kernel_ab.py`). Each row gets the same bits
 whatever the number of rows in the call.
 
+Two multiply loops: vdpbf16ps, or float32 FMAs on weights widened from bfloat16 (`variant()` measures which is
+faster once per machine and caches the choice; $EAGLESPEC_BF16_KERNEL=dpbf16|fma forces one). On an Intel Emerald
+Rapids VM (session 18) vdpbf16ps issues at half the FMA rate, and the FMA loop does 12 rows' arithmetic 1.4x
+faster (`benchmarks/scripts/kernel_variants.py`).
+
 The C++ source is compiled on first use with torch's extension builder (g++, ~10-30 s, cached under
 ~/.cache/torch_extensions) and registers `torch.ops.eaglespec.bf16_linear`, an operator torch.compile keeps as one
 call in its graphs (`register_fake` below gives it shapes).
@@ -18,8 +23,12 @@ call in its graphs (`register_fake` below gives it shapes).
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -75,12 +84,75 @@ def load() -> None:
                              "to run without it") from error
 
     @torch.library.register_fake("eaglespec::bf16_linear")
-    def _(x: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor:
+    def _(x: Tensor, packed: Tensor, n: int, bias: Tensor | None, variant: int = 0) -> Tensor:
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("eaglespec::tree_attention")
     def _(q: Tensor, keys: Tensor, values: Tensor, step_mask: Tensor | None) -> Tensor:
         return q.new_empty(q.shape)
+
+
+# The kernel's two ways to multiply (the `variant` argument of bf16_linear): vdpbf16ps, or float32 FMAs on weights
+# widened from bfloat16. vdpbf16ps does twice the work per instruction; where it issues at half the FMA rate (Intel
+# Sapphire / Emerald Rapids) both give the same arithmetic rate and the FMA loop runs faster (fewer dependent
+# uops), so calls of 8-16 rows, which are bound by arithmetic there, cost less.
+VARIANTS = {"dpbf16": 0, "fma": 1}
+VARIANT_ENV = "EAGLESPEC_BF16_KERNEL"
+MIN_GAIN = 1.1  # the FMA loop is chosen only where it is at least this much faster: a stable choice
+
+
+def _time_variants(threads: int) -> dict[str, float]:
+    """Median ms of a 12-row product of a 1536 x 576 weight (in L2, bound by arithmetic) for each variant."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(1536, 576, generator=generator).bfloat16()
+    x = torch.randn(12, 576, generator=generator).bfloat16()
+    packed_weight = torch.ops.eaglespec.bf16_pack(weight)
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(9):
+            for name, code in VARIANTS.items():
+                start = time.perf_counter()
+                for _ in range(10):
+                    torch.ops.eaglespec.bf16_linear(x, packed_weight, 1536, None, code)
+                times[name].append((time.perf_counter() - start) * 100)  # ms per call
+    finally:
+        torch.set_num_threads(previous)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+@functools.cache
+def variant() -> str:
+    """The multiply loop for this machine: $EAGLESPEC_BF16_KERNEL (dpbf16 or fma) if set, else measured once per CPU
+    model, instruction set and thread count (~50 ms) and cached under ~/.cache/eaglespec/kernels, so that every run
+    on a machine uses the same loop (the two give different bits; each is row-invariant)."""
+    from .models import cache_root, cpu_flags, cpu_model
+
+    forced = os.environ.get(VARIANT_ENV, "").strip().lower()
+    if forced and forced != "auto":
+        if forced not in VARIANTS:
+            raise EagleSpecError(f"{VARIANT_ENV}={forced!r} is not a kernel variant; use auto, dpbf16 or fma")
+        return forced
+    load()
+    threads = torch.get_num_threads()
+    machine = f"{cpu_model()}|{' '.join(sorted(cpu_flags()))}|{_source_digest()}"
+    path = cache_root() / "kernels" / f"{hashlib.sha1(machine.encode()).hexdigest()[:20]}.json"
+    try:
+        chosen = json.loads(path.read_text())["variant"]
+        if chosen in VARIANTS:
+            return chosen
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        pass  # not measured yet on this machine (or an unreadable file): measure
+    ms = _time_variants(threads)
+    chosen = "fma" if ms["dpbf16"] > MIN_GAIN * ms["fma"] else "dpbf16"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"variant": chosen, "ms_per_call": ms, "cpu": cpu_model(), "threads": threads}))
+    return chosen
+
+
+def _source_digest() -> str:
+    return hashlib.sha1(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:12]
 
 
 class Bf16Linear(nn.Module):
@@ -90,12 +162,14 @@ class Bf16Linear(nn.Module):
         super().__init__()
         load()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.variant = VARIANTS[variant()]
         self.register_buffer("packed", torch.ops.eaglespec.bf16_pack(weight.detach().to(torch.bfloat16).contiguous()))
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, K]
-        y = torch.ops.eaglespec.bf16_linear(rows, self.packed, self.out_features, self.bias)  # [M, N]
+        y = torch.ops.eaglespec.bf16_linear(rows, self.packed, self.out_features, self.bias,
+                                            self.variant)  # [M, N]
         return y.view(*x.shape[:-1], self.out_features)
 
 
