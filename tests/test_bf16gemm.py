@@ -216,3 +216,21 @@ def test_an_unknown_loop_name_is_a_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match="variant must be 0"):
         torch.ops.eaglespec.bf16_linear(torch.randn(2, 32).bfloat16(), torch.ops.eaglespec.bf16_pack(
             torch.randn(64, 32).bfloat16()), 64, None, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_rows_gives_torch_argmax_answer(dtype):
+    """The verified rows' greedy choices: first index of each row's maximum, ties and NaN as torch.argmax."""
+    bf16gemm.load()
+    torch.manual_seed(1)
+    for n, v in [(1, 49152), (6, 8192), (3, 1000), (2, 7), (1, 16), (4, 33)]:
+        logits = torch.randn(n, v).to(dtype)
+        assert torch.equal(torch.ops.eaglespec.argmax_rows(logits), logits.argmax(-1)), (n, v)
+    tied = torch.zeros(3, 100, dtype=dtype)
+    tied[0, [17, 5, 90]] = 2.0  # first of three equal maxima
+    tied[1] = float("-inf")  # all -inf: index 0
+    tied[2, [40, 70]] = float("nan")  # NaN counts as the maximum: the first NaN
+    tied[2, 10] = 5.0
+    assert torch.ops.eaglespec.argmax_rows(tied).tolist() == [5, 0, 40] == tied.argmax(-1).tolist()
+    assert bf16gemm.loaded()
+    assert torch.equal(bf16gemm.argmax_rows(tied[:, :50].T.contiguous().T), tied[:, :50].argmax(-1))  # strided rows

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import bf16gemm
 from .errors import EagleSpecError
 from .tree import DraftTree
 
@@ -71,7 +72,7 @@ class Verdict:
 
 def verify_greedy(tree: DraftTree, logits: Tensor) -> Verdict:
     """Walk from the root, following the child equal to the target's argmax. `logits`: [N, V]."""
-    best = logits.argmax(-1).tolist()  # [N]
+    best = bf16gemm.argmax_rows(logits).tolist()  # [N]
     tokens = tree.tokens.tolist()
     kids = tree.children()
     node, path = 0, [0]
@@ -116,5 +117,5 @@ def verify_sample(tree: DraftTree, probs: Tensor, generator: torch.Generator) ->
 def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from [V] logits (argmax when greedy)."""
     if params.greedy:
-        return int(logits.argmax())
+        return int(bf16gemm.argmax_rows(logits[None])[0])
     return int(torch.multinomial(target_probs(logits[None], params)[0], 1, generator=generator))

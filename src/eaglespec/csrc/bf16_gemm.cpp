@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 
 namespace {
 
@@ -222,12 +223,20 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const int64_t ldx = x.size(1);
-  at::Tensor x_float;  // [M, K] float32 for the FMA loop
-  if (variant == 1) x_float = x.to(at::kFloat).contiguous();
-  const float* xf = x_float.defined() ? x_float.data_ptr<float>() : nullptr;
-  for (int64_t row = 0; row < m; row += kMaxM)  // each row's sums are independent of the chunk it is in
-    linear_rows(xp + row * ldx, xf ? xf + row * ldx : nullptr, ldx, std::min(kMaxM, m - row), wp, groups, k_pairs,
-                n, bp, yp + row * n);
+  // The FMA loop reads x as float32: each chunk's rows widened into a plain buffer (an ATen conversion costs ~3 us a
+  // call, 0.4 ms over a step's 121 products).
+  std::unique_ptr<float[]> x_float(variant == 1 ? new float[std::min(kMaxM, m) * ldx] : nullptr);
+  for (int64_t row = 0; row < m; row += kMaxM) {  // each row's sums are independent of the chunk it is in
+    const int64_t rows = std::min(kMaxM, m - row);
+    if (x_float) {
+      const uint16_t* from = xp + row * ldx;
+      for (int64_t i = 0; i < rows * ldx; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(from[i]) << 16;
+        std::memcpy(&x_float[i], &bits, sizeof(bits));
+      }
+    }
+    linear_rows(xp + row * ldx, x_float.get(), ldx, rows, wp, groups, k_pairs, n, bp, yp + row * n);
+  }
   return y;
 }
 
