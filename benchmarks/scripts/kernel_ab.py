@@ -1,6 +1,7 @@
 """eaglespec's C++ kernels at an older git revision against the working tree's, interleaved in one process.
 
     python benchmarks/scripts/kernel_ab.py --rev 290bbfc [--threads 2] [--rows 1,4,6,8,12,16] [--contexts 100,250,400]
+        [--variant 1]
 
 Each version of csrc/bf16_gemm.cpp and csrc/tree_attention.cpp is built as its own extension under its own operator
 namespace (eaglespec_ab_old, eaglespec_ab_new), so both run side by side on the same inputs:
@@ -32,6 +33,8 @@ p.add_argument("--threads", type=int, default=2)
 p.add_argument("--rows", default="1,4,6,8,12,16")
 p.add_argument("--contexts", default="100,250,400")
 p.add_argument("--repeats", type=int, default=15)
+p.add_argument("--variant", type=int, default=0,
+               help="the products' multiply loop in both versions (0 vdpbf16ps, 1 float32 FMA; 1 needs both to have it)")
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 
@@ -61,6 +64,7 @@ with tempfile.TemporaryDirectory() as tmp:
                 "new": build("eaglespec_ab_new", new_texts, Path(tmp) / "new")}
 
 rows = [int(v) for v in args.rows.split(",")]
+extra = (args.variant,) if args.variant else ()  # (revisions before session 18 take no variant argument)
 torch.manual_seed(0)
 d, inter, qkv, vocab, layers = 576, 1536, 960, 49152, 30
 shapes = [(qkv, d), (d, d), (2 * inter, d), (d, inter)] * layers + [(vocab, d)]
@@ -76,7 +80,7 @@ for m in rows:
     for repeat in range(args.repeats + 2):
         for name, (ops, _) in versions.items():
             start = time.perf_counter()
-            ys = [ops.bf16_linear(xs[k], packed, n, None) for (n, k), packed in zip(shapes, packs[name])]
+            ys = [ops.bf16_linear(xs[k], packed, n, None, *extra) for (n, k), packed in zip(shapes, packs[name])]
             if repeat >= 2:
                 times[name].append(1e3 * (time.perf_counter() - start))
             outs[name] = ys
