@@ -124,6 +124,21 @@ def test_compiled_bfloat16_target_uses_the_kernel(model):
     assert torch.equal(outs[1].logits.argmax(-1), outs[0].logits.argmax(-1))
 
 
+def test_tree_calibration_is_kept_per_multiply_loop(model, monkeypatch):
+    """`--tree auto` times verify passes: a target on the kernel is cached under the loop it runs."""
+    from eaglespec import autotree
+
+    keys = {}
+    for name in bf16gemm.VARIANTS:
+        monkeypatch.setenv(bf16gemm.VARIANT_ENV, name)
+        bf16gemm.variant.cache_clear()
+        keys[name] = (autotree._target_key(FastTarget(model, "final", compile=True)),
+                      autotree._target_key(FastTarget(model, "final")))
+    bf16gemm.variant.cache_clear()
+    assert keys["dpbf16"][0] != keys["fma"][0]
+    assert keys["dpbf16"][1] == keys["fma"][1]  # no kernel, nothing to tell apart
+
+
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 def test_compiled_bfloat16_drafter_runs_its_head_through_the_kernel(model, kind):
     """Under --compile a bfloat16 head's products (layer step, EAGLE-3 fusion, draft LM head or EAGLE-1's rows of

@@ -104,6 +104,26 @@ def test_eos_and_max_new_tokens_are_honoured():
     assert finished.tokens == reference[:9] and finished.stats.finish_reason == "length"
 
 
+def test_text_stream_keeps_its_anchor_where_decoding_apart_differs():
+    """A tokenizer whose text of two parts is not the two texts joined (here: words joined with spaces) never moves
+    the stream's anchor (it decodes everything each step), and its text and pieces stay exact."""
+    from eaglespec.decode import TextStream
+
+    class Spaced:
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(f"w{i}" for i in ids)
+
+    ids = list(range(200))
+    stream, pieces = TextStream(Spaced(), ["w150 w151"]), []
+    for i in range(0, 200, 3):
+        pieces.append(stream.push(ids[i : i + 3]))
+        if stream.stopped:
+            break
+    assert stream.anchor == 0 and stream.next_check > TextStream.ANCHOR_EVERY + TextStream.ANCHOR_WINDOW  # tried
+    whole = Spaced().decode(ids)
+    assert "".join(pieces) == stream.released == whole[: whole.index("w150 w151")]
+
+
 def test_stop_string_truncates_text_and_stream_pieces_add_up():
     model = make_model("llama")
     prompt = PROMPTS[0]

@@ -82,3 +82,26 @@ def test_int4_speculative_greedy_equals_int4_vanilla(smol):
                              tree=TreeSettings(total_tokens=12, depth=4, top_k=4))
     for prompt in PROMPTS[1:4]:
         assert spec.generate(prompt, max_new_tokens=96).tokens == vanilla.generate(prompt, max_new_tokens=96).tokens
+
+
+def test_text_stream_decodes_past_its_anchor_and_still_gives_the_whole_text(smol):
+    """SmolLM2's byte-level tokenizer: the stream keeps the text before an anchor and decodes only the tokens after
+    it, yet at every step its text is the decode of all tokens (multi-byte characters cut between tokens, clean-up
+    spaces, arbitrary ids included), and the released pieces add up to it."""
+    import random
+
+    from eaglespec.decode import TextStream
+
+    _, tokenizer = smol
+    rng = random.Random(0)
+    ids = tokenizer("Héllo wörld, isn't it ? Yes ! 日本語のテキスト ✓ naïve café — " * 10)["input_ids"]
+    ids += [rng.randrange(len(tokenizer)) for _ in range(300)]
+    stream, pieces, i = TextStream(tokenizer, []), [], 0
+    while i < len(ids):
+        k = rng.randint(1, 5)
+        pieces.append(stream.push(ids[i : i + k]))
+        i += k
+        assert stream.text() == tokenizer.decode(ids[:i], skip_special_tokens=True)
+    pieces.append(stream.flush())
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert stream.anchoring and stream.anchor >= len(ids) - 3 * TextStream.ANCHOR_EVERY

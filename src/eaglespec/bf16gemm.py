@@ -125,8 +125,8 @@ def _time_variants(threads: int) -> dict[str, float]:
 @functools.cache
 def variant() -> str:
     """The multiply loop for this machine: $EAGLESPEC_BF16_KERNEL (dpbf16 or fma) if set, else measured once per CPU
-    model, instruction set and thread count (~50 ms) and cached under ~/.cache/eaglespec/kernels, so that every run
-    on a machine uses the same loop (the two give different bits; each is row-invariant)."""
+    model and instruction set (~50 ms, with this process's threads) and cached under ~/.cache/eaglespec/kernels, so
+    that every run on a machine uses the same loop (the two give different bits; each is row-invariant)."""
     from .models import cache_root, cpu_flags, cpu_model
 
     forced = os.environ.get(VARIANT_ENV, "").strip().lower()
@@ -146,8 +146,11 @@ def variant() -> str:
         pass  # not measured yet on this machine (or an unreadable file): measure
     ms = _time_variants(threads)
     chosen = "fma" if ms["dpbf16"] > MIN_GAIN * ms["fma"] else "dpbf16"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"variant": chosen, "ms_per_call": ms, "cpu": cpu_model(), "threads": threads}))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"variant": chosen, "ms_per_call": ms, "cpu": cpu_model(), "threads": threads}))
+    except OSError as error:  # a read-only cache: measured again next time
+        print(f"eaglespec: could not cache the kernel choice in {path} ({error})", file=sys.stderr)
     return chosen
 
 

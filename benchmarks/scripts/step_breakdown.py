@@ -1,0 +1,28 @@
+"""Per decoding step of a bench run: tokens, draft, verify and the rest (acceptance, cache commit, features,
+streaming) in milliseconds, from its results.jsonl (our own methods; the prefill is left out).
+
+    python benchmarks/scripts/step_breakdown.py benchmarks/runs/mtbench-80q-256-s18-compile
+"""
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+for line in (Path(sys.argv[1]) / "results.jsonl").read_text().splitlines():
+    row = json.loads(line)
+    if row.get("kind") != "ours" or not row.get("target_forwards"):
+        continue
+    t = totals[row["method"]]
+    t["steps"] += row["target_forwards"]
+    t["tokens"] += row["new_tokens"]
+    t["wall"] += row["wall_time"] - row["prefill_time"]
+    t["draft"] += row["draft_time"]
+    t["verify"] += row["verify_time"] - row["prefill_time"]
+
+print("| method | tokens per step | draft | verify | rest | total (ms) |\n|---|---|---|---|---|---|")
+for method, t in totals.items():
+    ms = {k: 1e3 * t[k] / t["steps"] for k in ("draft", "verify", "wall")}
+    print(f"| {method} | {t['tokens'] / t['steps']:.2f} | {ms['draft']:.2f} | {ms['verify']:.2f} | "
+          f"{ms['wall'] - ms['draft'] - ms['verify']:.2f} | {ms['wall']:.2f} |")
