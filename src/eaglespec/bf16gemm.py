@@ -146,10 +146,14 @@ def variant() -> str:
         pass  # not measured yet on this machine (or an unreadable file): measure
     ms = _time_variants(threads)
     chosen = "fma" if ms["dpbf16"] > MIN_GAIN * ms["fma"] else "dpbf16"
-    try:
+    try:  # written whole, then renamed: processes measuring at once all end up with the one choice that landed
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"variant": chosen, "ms_per_call": ms, "cpu": cpu_model(), "threads": threads}))
-    except OSError as error:  # a read-only cache: measured again next time
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"variant": chosen, "ms_per_call": ms, "cpu": cpu_model(), "threads": threads}))
+        os.replace(partial, path)
+        landed = json.loads(path.read_text())["variant"]
+        chosen = landed if landed in VARIANTS else chosen
+    except (OSError, json.JSONDecodeError, KeyError) as error:  # a read-only cache: measured again next time
         print(f"eaglespec: could not cache the kernel choice in {path} ({error})", file=sys.stderr)
     return chosen
 
