@@ -7,7 +7,7 @@
 // values broadcast to all lanes. Each tile keeps up to 6 rows x 4 column vectors of float32 accumulators in
 // registers (24 of the 32); no horizontal sums are needed. Calls of more than 6 rows run several tiles over each
 // group's weights block by block (linear_rows), so the weights are read from memory once per call.
-// A second multiply loop (variant 1, tile_part_fma) widens the weights to float32 and uses FMAs: on CPUs where
+// A second multiply loop (variant 1, tile_part<ROWS, true>) widens the weights to float32 and uses FMAs: on CPUs where
 // vdpbf16ps issues at half the FMA rate (Intel Emerald Rapids here) it does the arithmetic of 6-16 rows ~1.4x
 // faster; bf16gemm.variant() measures which loop is faster once per machine.
 //
@@ -50,8 +50,13 @@ at::Tensor bf16_pack(const at::Tensor& weight) {
 // Rows [0, ROWS) of x (row stride ldx) times k-pairs [p0, p1) of one packed group, accumulated into acc (float32
 // [ROWS][64], in memory between calls; zeroed first when p0 == 0). Exact: a float32 store and load change nothing,
 // so splitting the k range into blocks gives the same sums as one pass.
-template <int ROWS>
-void tile_part(const uint16_t* x, int64_t ldx, const uint16_t* group, int64_t p0, int64_t p1, float* acc_mem) {
+// FMA = false (variant 0): x is bfloat16 and each k-pair is one vdpbf16ps. FMA = true (variant 1): x is float32
+// (exact copies of the bfloat16 inputs), the even-k weights of a packed vector become float32 by a 16-bit shift, the
+// odd-k ones by masking off the low half, and each output element is the ordered sum
+// ((acc + x[2p] w[2p]) + x[2p+1] w[2p+1]) over p, rounded after every FMA. Either way the same for every row in any
+// call.
+template <int ROWS, bool FMA>
+void tile_part(const void* x_rows, int64_t ldx, const uint16_t* group, int64_t p0, int64_t p1, float* acc_mem) {
   __m512 acc[ROWS][kVectors];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r)
@@ -60,63 +65,47 @@ void tile_part(const uint16_t* x, int64_t ldx, const uint16_t* group, int64_t p0
       acc[r][v] = p0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_mem + (r * kVectors + v) * 16);
   const uint16_t* w = group + p0 * kGroup * 2;
   for (int64_t p = p0; p < p1; ++p, w += kGroup * 2) {
-    __m512i wv[kVectors];
+    if constexpr (FMA) {
+      const auto* x = static_cast<const float*>(x_rows);
+      const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+      __m512 wv[kVectors];
 #pragma GCC unroll 4
-    for (int v = 0; v < kVectors; ++v) {
-      wv[v] = _mm512_loadu_si512(w + v * 32);
-      _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + v * 32), _MM_HINT_T0);
-    }
+      for (int v = 0; v < kVectors; ++v) {
+        wv[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w + v * 32), 16));
+        _mm_prefetch(reinterpret_cast<const char*>(w + kFarAhead + v * 32), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + v * 32), _MM_HINT_T0);
+      }
 #pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * ldx + 2 * p, sizeof(pair));
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 even = _mm512_set1_ps(x[r * ldx + 2 * p]);
 #pragma GCC unroll 4
-      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb, (__m512bh)wv[v]);
-    }
-  }
+        for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_fmadd_ps(even, wv[v], acc[r][v]);
+      }
+#pragma GCC unroll 4
+      for (int v = 0; v < kVectors; ++v)
+        wv[v] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(w + v * 32), high));
 #pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r)
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 odd = _mm512_set1_ps(x[r * ldx + 2 * p + 1]);
 #pragma GCC unroll 4
-    for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(acc_mem + (r * kVectors + v) * 16, acc[r][v]);
-}
-
-// tile_part with float32 FMAs instead of vdpbf16ps (variant 1): the even-k weights of a packed vector become float32
-// by a 16-bit shift, the odd-k ones by masking off the low half, and x comes as float32 (xf, exact copies of the
-// bfloat16 inputs). Each output element is the ordered sum ((acc + x[2p] w[2p]) + x[2p+1] w[2p+1]) over p, rounded
-// after every FMA, the same for every row in any call.
-template <int ROWS>
-void tile_part_fma(const float* xf, int64_t ldxf, const uint16_t* group, int64_t p0, int64_t p1, float* acc_mem) {
-  __m512 acc[ROWS][kVectors];
+        for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_fmadd_ps(odd, wv[v], acc[r][v]);
+      }
+    } else {
+      const auto* x = static_cast<const uint16_t*>(x_rows);
+      __m512i wv[kVectors];
+#pragma GCC unroll 4
+      for (int v = 0; v < kVectors; ++v) {
+        wv[v] = _mm512_loadu_si512(w + v * 32);
+        _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + v * 32), _MM_HINT_T0);
+      }
 #pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r)
+      for (int r = 0; r < ROWS; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * ldx + 2 * p, sizeof(pair));
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
 #pragma GCC unroll 4
-    for (int v = 0; v < kVectors; ++v)
-      acc[r][v] = p0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_mem + (r * kVectors + v) * 16);
-  const uint16_t* w = group + p0 * kGroup * 2;
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  for (int64_t p = p0; p < p1; ++p, w += kGroup * 2) {
-    __m512 wv[kVectors];
-#pragma GCC unroll 4
-    for (int v = 0; v < kVectors; ++v) {
-      wv[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w + v * 32), 16));
-      _mm_prefetch(reinterpret_cast<const char*>(w + kFarAhead + v * 32), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + v * 32), _MM_HINT_T0);
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 even = _mm512_set1_ps(xf[r * ldxf + 2 * p]);
-#pragma GCC unroll 4
-      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_fmadd_ps(even, wv[v], acc[r][v]);
-    }
-#pragma GCC unroll 4
-    for (int v = 0; v < kVectors; ++v)
-      wv[v] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(w + v * 32), high));
-#pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 odd = _mm512_set1_ps(xf[r * ldxf + 2 * p + 1]);
-#pragma GCC unroll 4
-      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_fmadd_ps(odd, wv[v], acc[r][v]);
+        for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb, (__m512bh)wv[v]);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -125,28 +114,16 @@ void tile_part_fma(const float* xf, int64_t ldxf, const uint16_t* group, int64_t
     for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(acc_mem + (r * kVectors + v) * 16, acc[r][v]);
 }
 
-void rows_part_fma(int64_t rows, const float* xf, int64_t ldxf, const uint16_t* group, int64_t p0, int64_t p1,
-                   float* acc_mem) {
-  switch (rows) {
-    case 1: return tile_part_fma<1>(xf, ldxf, group, p0, p1, acc_mem);
-    case 2: return tile_part_fma<2>(xf, ldxf, group, p0, p1, acc_mem);
-    case 3: return tile_part_fma<3>(xf, ldxf, group, p0, p1, acc_mem);
-    case 4: return tile_part_fma<4>(xf, ldxf, group, p0, p1, acc_mem);
-    case 5: return tile_part_fma<5>(xf, ldxf, group, p0, p1, acc_mem);
-    case 6: return tile_part_fma<6>(xf, ldxf, group, p0, p1, acc_mem);
-    default: TORCH_CHECK(false, "bf16_linear: tile of ", rows, " rows");
-  }
-}
-
-void rows_part(int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* group, int64_t p0, int64_t p1,
+template <bool FMA>
+void rows_part(int64_t rows, const void* x, int64_t ldx, const uint16_t* group, int64_t p0, int64_t p1,
                float* acc_mem) {
   switch (rows) {
-    case 1: return tile_part<1>(x, ldx, group, p0, p1, acc_mem);
-    case 2: return tile_part<2>(x, ldx, group, p0, p1, acc_mem);
-    case 3: return tile_part<3>(x, ldx, group, p0, p1, acc_mem);
-    case 4: return tile_part<4>(x, ldx, group, p0, p1, acc_mem);
-    case 5: return tile_part<5>(x, ldx, group, p0, p1, acc_mem);
-    case 6: return tile_part<6>(x, ldx, group, p0, p1, acc_mem);
+    case 1: return tile_part<1, FMA>(x, ldx, group, p0, p1, acc_mem);
+    case 2: return tile_part<2, FMA>(x, ldx, group, p0, p1, acc_mem);
+    case 3: return tile_part<3, FMA>(x, ldx, group, p0, p1, acc_mem);
+    case 4: return tile_part<4, FMA>(x, ldx, group, p0, p1, acc_mem);
+    case 5: return tile_part<5, FMA>(x, ldx, group, p0, p1, acc_mem);
+    case 6: return tile_part<6, FMA>(x, ldx, group, p0, p1, acc_mem);
     default: TORCH_CHECK(false, "bf16_linear: tile of ", rows, " rows");
   }
 }
@@ -192,9 +169,9 @@ void linear_rows(const uint16_t* xp, const float* xf, int64_t ldx, int64_t m, co
         const int64_t p1 = std::min(k_pairs, p0 + block);
         for (int64_t t = 0, row = 0; t < tiles; row += tile_rows[t], ++t)
           if (xf)
-            rows_part_fma(tile_rows[t], xf + row * ldx, ldx, group, p0, p1, acc + row * kGroup);
+            rows_part<true>(tile_rows[t], xf + row * ldx, ldx, group, p0, p1, acc + row * kGroup);
           else
-            rows_part(tile_rows[t], xp + row * ldx, ldx, group, p0, p1, acc + row * kGroup);
+            rows_part<false>(tile_rows[t], xp + row * ldx, ldx, group, p0, p1, acc + row * kGroup);
       }
       store_rows(m, acc, bp ? bp + col : nullptr, yp + col, n, columns);
     }
