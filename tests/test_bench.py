@@ -339,6 +339,7 @@ def test_cli_end_to_end_on_the_default_model(tmp_path, capsys):
     assert str(out / SUMMARY) in capsys.readouterr().out
     info = json.loads((out / RUN_INFO).read_text())
     assert info["settings"]["model"] == "smollm2-135m" and info["settings"]["threads"] == 2
+    assert info["settings"]["bf16_kernel"] is None  # (no --compile: the kernel is not used)
     assert main(argv) == 2  # refuses to overwrite without --force
     assert "--force" in capsys.readouterr().err
 

@@ -90,6 +90,7 @@ def _head_dirs(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
+    from .. import bf16gemm
     from ..decode import eos_ids_of
     from ..cli import tree_from_args
     from ..models import load_target, parse_dtype
@@ -150,13 +151,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   "draft_vocab": args.draft_vocab,
                   "sweep": args.sweep, "head": str(head) if head else None, "head3": str(head3) if head3 else None,
                   "draft_model": args.draft_model, "categories": args.categories, "limit": args.limit,
-                  "per_category": args.per_category, "turns": args.turns},
+                  "per_category": args.per_category, "turns": args.turns,
+                  # the bfloat16 kernel's multiply loop on this machine (bf16gemm.variant), where --compile uses it
+                  "bf16_kernel": bf16gemm.variant() if args.compile and bf16gemm.available(parse_dtype(args.dtype),
+                                                                                         "cpu") else None},
     )
     print(f"bench: {len(questions)} questions, methods {', '.join(m.name for m in methods)} -> {out}",
           file=sys.stderr)
     print(f"bench: dtype {config.settings['dtype']}, {torch.get_num_threads()} torch threads, backend "
-          f"{config.settings['backend']}, quantize {args.quantize}, compile {args.compile} (our loop; peers run their "
-          f"own weights)",
+          f"{config.settings['backend']}, quantize {args.quantize}, compile {args.compile}, bfloat16 kernel loop "
+          f"{config.settings['bf16_kernel'] or '-'} (our loop; peers run their own weights)",
           file=sys.stderr)
     for m in methods:
         if "tree" in m.settings:
