@@ -152,9 +152,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   "sweep": args.sweep, "head": str(head) if head else None, "head3": str(head3) if head3 else None,
                   "draft_model": args.draft_model, "categories": args.categories, "limit": args.limit,
                   "per_category": args.per_category, "turns": args.turns,
-                  # the bfloat16 kernel's multiply loop on this machine (bf16gemm.variant), where --compile uses it
-                  "bf16_kernel": bf16gemm.variant() if args.compile and bf16gemm.available(parse_dtype(args.dtype),
-                                                                                         "cpu") else None},
+                  # the bfloat16 kernel's multiply loop on this machine, where our target runs on the kernel
+                  "bf16_kernel": bf16gemm.variant() if getattr(engine.target, "bf16_gemm", False) else None},
     )
     print(f"bench: {len(questions)} questions, methods {', '.join(m.name for m in methods)} -> {out}",
           file=sys.stderr)
