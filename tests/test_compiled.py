@@ -177,3 +177,37 @@ def test_two_compiled_targets_in_one_process_keep_their_own_weights(compiled):
     torch.testing.assert_close(outs[1].features, outs[0].features, atol=1e-5, rtol=1e-5)
     assert outs[2].features.shape[-1] == 3 * outs[0].features.shape[-1]  # the first target still saves 3 layers
     assert second.compiled_steps == 4  # warm-up (one graph per kind: 3) + this step
+
+
+def test_compile_settings_are_entered_only_where_dynamo_compiles():
+    """call_compiled: a call whose graph exists runs without the (costly) settings context; a first call and a new
+    shape compile inside it; an error of the function itself is raised once, not retried."""
+    from contextlib import contextmanager
+
+    from eaglespec.compiled import call_compiled
+
+    entered = []
+
+    @contextmanager
+    def settings():
+        entered.append(True)
+        yield
+
+    compiled = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    assert torch.equal(call_compiled(compiled, settings, torch.ones(3)), torch.full((3,), 2.0))
+    assert len(entered) == 1  # the first call compiled inside the settings
+    for _ in range(3):
+        assert torch.equal(call_compiled(compiled, settings, torch.ones(3)), torch.full((3,), 2.0))
+    assert len(entered) == 1  # warm calls did not enter them
+    assert torch.equal(call_compiled(compiled, settings, torch.ones(5)), torch.full((5,), 2.0))
+    assert len(entered) == 2  # a new (static) shape: compiled inside them
+
+    calls = []
+
+    def broken(x):
+        calls.append(x)
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        call_compiled(broken, settings, torch.ones(3))
+    assert len(calls) == 1 and len(entered) == 2

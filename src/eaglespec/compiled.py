@@ -154,6 +154,25 @@ def compile_settings(autotune: bool, eager_roundings: bool = False):
         yield
 
 
+RECOMPILE_STANCE = "fail_on_recompile"
+
+
+def call_compiled(compiled, settings, *args):
+    """`compiled(*args)`, where dynamo has to compile (a first call, a shape or kind not seen yet) inside
+    `settings()` (a `compile_settings` context), which the compiler reads. Entering those settings costs ~80 us a
+    call (torch's config patching; a draft round makes three compiled calls), so a call first runs under the
+    "fail_on_recompile" stance (~8 us): a call whose graph exists runs as it is; one that would compile raises
+    before anything runs, and runs again, compiling, inside the settings."""
+    try:
+        with torch.compiler.set_stance(RECOMPILE_STANCE):
+            return compiled(*args)
+    except RuntimeError as error:
+        if RECOMPILE_STANCE not in str(error):
+            raise
+    with settings():
+        return compiled(*args)
+
+
 _OWNERS = itertools.count()
 
 
@@ -189,13 +208,13 @@ def compile_stack(layers: list, heads: tuple[int, int, int], eps: float, attenti
 
     def run(x: Tensor, *args):
         kind = graph_kind(x.shape[0])
-        # Read while compiling, so set around each call (a few us): freezing (weights as constants, packed by
-        # inductor; as a torch.compile option it was not applied, torch 2.13), room for more than 4 targets per
-        # process (each adds three graphs to DecodeStack.forward's cache; past the limit it would run eagerly),
-        # and, for steps of a few rows on a CPU, inductor's own C++ GEMM kernels where they time faster than
-        # oneDNN's (max-autotune; RESULTS.md, session 14).
-        with compile_settings(autotune=kind in autotune_kinds, eager_roundings=eager_roundings):
-            return stack(x, *args, kind, module.owner)
+        # Read while compiling (`call_compiled`): freezing (weights as constants, packed by inductor; as a
+        # torch.compile option it was not applied, torch 2.13), room for more than 4 targets per process (each adds
+        # three graphs to DecodeStack.forward's cache; past the limit it would run eagerly), and, for steps of a
+        # few rows on a CPU, inductor's own C++ GEMM kernels where they time faster than oneDNN's (max-autotune;
+        # RESULTS.md, session 14).
+        settings = partial(compile_settings, autotune=kind in autotune_kinds, eager_roundings=eager_roundings)
+        return call_compiled(stack, settings, x, *args, kind, module.owner)
 
     return run
 
@@ -233,13 +252,13 @@ def compile_head_step(head: nn.Module, device: torch.device):
     def run(hidden: Tensor, token_embeds: Tensor, positions: Tensor, cache, mask: Tensor) -> Tensor:
         if cache.keys[0] is None:
             return head.step(hidden, token_embeds, positions, cache, mask)
-        with compile_settings(autotune):
-            # Drafting runs in inference mode, but an EAGLE-1 head's hidden rows are the target's features indexed
-            # outside it (normal tensors): dynamo guards on that too, and recompiled for them (two more graphs).
-            hidden, token_embeds = (t if t.is_inference() else t.clone() for t in (hidden, token_embeds))
-            # (after a rollback the cache is a view of its longer self: contiguous() copies it once a round)
-            past_keys, past_values = (t[0].contiguous() for t in (cache.keys[0], cache.values[0]))
-            out, keys, values = step(hidden, token_embeds, positions, past_keys, past_values, mask, module.owner)
+        # Drafting runs in inference mode, but an EAGLE-1 head's hidden rows are the target's features indexed
+        # outside it (normal tensors): dynamo guards on that too, and recompiled for them (two more graphs).
+        hidden, token_embeds = (t if t.is_inference() else t.clone() for t in (hidden, token_embeds))
+        # (after a rollback the cache is a view of its longer self: contiguous() copies it once a round)
+        past_keys, past_values = (t[0].contiguous() for t in (cache.keys[0], cache.values[0]))
+        out, keys, values = call_compiled(step, partial(compile_settings, autotune), hidden, token_embeds,
+                                          positions, past_keys, past_values, mask, module.owner)
         cache.keys[0], cache.values[0] = keys[None], values[None]
         return out
 
