@@ -57,6 +57,28 @@ def test_truncate_depth_keeps_a_valid_subtree():
     assert t2.parents.tolist() == [-1, 0, 0, 1, 1, 2]
 
 
+def test_a_tree_from_lists_equals_the_tree_from_tensors():
+    tokens, parents = HAND_DRAWN.tokens.tolist(), HAND_DRAWN.parents.tolist()
+    t = DraftTree.from_lists(tokens, parents, [0.0, -0.5, -1.0, -0.7, -0.9, -2.0, -1.1])
+    assert torch.equal(t.tokens, HAND_DRAWN.tokens) and torch.equal(t.parents, HAND_DRAWN.parents)
+    assert t.tokens.dtype == t.parents.dtype == torch.long and t.scores.dtype == torch.float32
+    assert torch.equal(t.depths, HAND_DRAWN.depths) and t.max_depth == HAND_DRAWN.max_depth == 3
+    assert torch.equal(t.ancestor_mask(), HAND_DRAWN.ancestor_mask())
+    assert t.children() == HAND_DRAWN.children() and t.token_list() == tokens
+    tokens.append(99)  # the tree keeps its own lists
+    assert len(t.token_list()) == 7
+    root = DraftTree.root_only(5)
+    assert root.token_list() == [5] and root.max_depth == 0 and root.ancestor_mask().tolist() == [[True]]
+
+
+@pytest.mark.parametrize("parents", [[0, 0], [-1, 2, 0], [-1, -1], [-1, 0, 3, 1]])
+def test_invalid_lists_are_rejected(parents):
+    with pytest.raises(ValueError):
+        DraftTree.from_lists(list(range(len(parents))), parents)
+    with pytest.raises(ValueError):
+        DraftTree.from_lists([1, 2], [-1])
+
+
 @pytest.mark.parametrize("parents", [[0, 0], [-1, 2, 0], [-1, -1]])
 def test_invalid_trees_are_rejected(parents):
     with pytest.raises(ValueError):

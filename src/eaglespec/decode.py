@@ -233,7 +233,7 @@ class SpecDecoder:
             t0 = time.perf_counter()
             tree = drafter.draft(sequence[:length], new_features)  # committed tokens + the root
             room = target.max_context - 1 - target.cache_len  # deepest node position allowed
-            if int(tree.depths.max()) > room:
+            if tree.max_depth > room:
                 tree = tree.truncate_depth(max(room, 0))
             t1 = time.perf_counter()
             positions = tree.positions(target.cache_len)
@@ -253,9 +253,10 @@ class SpecDecoder:
             stats.target_forwards += 1
             stats.draft_time += t_draft
             stats.verify_time += t_verify
-            tree_depth = int(tree.depths.max())
+            tree_depth = tree.max_depth
             stats.record(accepted, tree_depth)
-            pending = tree.tokens[keep[1:]].tolist() + [verdict.bonus]
+            tokens = tree.token_list()
+            pending = [tokens[node] for node in verdict.accepted[1:]] + [verdict.bonus]
 
         stats.new_tokens = len(generated)
         stats.total_time = time.perf_counter() - t_start

@@ -186,10 +186,12 @@ class TreeGrowth:
         positions = torch.tensor([d.consumed + self.depths[n] - 1 for n in nodes], device=dev)
         mask = torch.zeros(k, committed + prior + k, dtype=torch.bool, device=dev)
         mask[:, :committed] = True
+        rows, cols = [], []  # each node's ancestors' entries and its own, set in one indexing call
         for row, n in enumerate(nodes):
-            for a in self._ancestors(self.parents[n]):
-                mask[row, committed + self.entry[a]] = True
-            mask[row, committed + prior + row] = True
+            for a in self._ancestors(self.parents[n]) + [None]:
+                rows.append(row)
+                cols.append(committed + (prior + row if a is None else self.entry[a]))
+        mask[rows, cols] = True
         out = d.step(hidden, d.embed_tokens(ids), positions, d.cache, mask)  # [k, d]
         for row, n in enumerate(nodes):
             self.entry[n] = prior + row
@@ -248,8 +250,5 @@ class TreeGrowth:
         for i, c in enumerate(chosen, start=1):
             index[c] = i
         parents = [-1] + [index[self.parents[c]] for c in chosen]
-        return DraftTree(
-            tokens=torch.tensor([self.tokens[0]] + [self.tokens[c] for c in chosen]),
-            parents=torch.tensor(parents),
-            scores=torch.tensor([0.0] + [self.scores[c] for c in chosen]),
-        )
+        return DraftTree.from_lists([self.tokens[0]] + [self.tokens[c] for c in chosen], parents,
+                                    [0.0] + [self.scores[c] for c in chosen])

@@ -26,8 +26,13 @@ class DraftTree:
     scores: Tensor | None = None  # [N] draft path log-prob (root 0), for ordering and statistics
     _children: list[list[int]] | None = field(default=None, repr=False)
     _depths: Tensor | None = field(default=None, repr=False)
+    # tokens, parents and depths as Python lists, made once: the decoding loop reads them on every step, and
+    # each tensor round trip costs microseconds that add up on a ~10 ms step
+    _lists: tuple[list[int], list[int], list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self._lists is not None:  # from_lists checked them
+            return
         if self.tokens.shape != self.parents.shape or self.tokens.dim() != 1:
             raise ValueError("tokens and parents must be 1-D tensors of the same length")
         if int(self.parents[0]) != -1:
@@ -37,20 +42,50 @@ class DraftTree:
             raise ValueError("every non-root node's parent must come before it")
 
     @classmethod
+    def from_lists(cls, tokens: list[int], parents: list[int], scores: list[float] | None = None) -> "DraftTree":
+        """A tree from Python lists (what drafters build), checked on the lists."""
+        if len(tokens) != len(parents) or not tokens:
+            raise ValueError("tokens and parents must be non-empty lists of the same length")
+        if parents[0] != -1:
+            raise ValueError("node 0 must be the root (parent -1)")
+        depths = [0] * len(parents)
+        for i in range(1, len(parents)):
+            p = parents[i]
+            if not 0 <= p < i:
+                raise ValueError("every non-root node's parent must come before it")
+            depths[i] = depths[p] + 1
+        return cls(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
+                   None if scores is None else torch.tensor(scores), _lists=(list(tokens), list(parents), depths))
+
+    @classmethod
     def root_only(cls, token: int) -> "DraftTree":
-        return cls(torch.tensor([token]), torch.tensor([-1]))
+        return cls.from_lists([token], [-1])
 
     def __len__(self) -> int:
         return self.tokens.numel()
+
+    def _as_lists(self) -> tuple[list[int], list[int], list[int]]:
+        if self._lists is None:
+            parents = self.parents.tolist()
+            depths = [0] * len(parents)
+            for i in range(1, len(parents)):
+                depths[i] = depths[parents[i]] + 1
+            self._lists = (self.tokens.tolist(), parents, depths)
+        return self._lists
+
+    def token_list(self) -> list[int]:
+        """The node tokens as a list (made once)."""
+        return self._as_lists()[0]
+
+    @property
+    def max_depth(self) -> int:
+        return max(self._as_lists()[2])
 
     @property
     def depths(self) -> Tensor:
         """[N] distance from the root (root = 0), computed once per tree."""
         if self._depths is None:
-            depth = [0] * len(self)
-            for i, p in enumerate(self.parents.tolist()[1:], start=1):
-                depth[i] = depth[p] + 1
-            self._depths = torch.tensor(depth, dtype=torch.long)
+            self._depths = torch.tensor(self._as_lists()[2], dtype=torch.long)
         return self._depths
 
     def positions(self, start: int) -> Tensor:
@@ -59,20 +94,22 @@ class DraftTree:
 
     def ancestor_mask(self) -> Tensor:
         """[N, N] bool: row i is True at i and at every ancestor of i (what node i may attend to)."""
-        n = len(self)
+        parents = self._as_lists()[1]
+        n = len(parents)
+        seen: list[list[int]] = []  # seen[i]: node i's ancestors and itself
+        rows: list[int] = []
+        for i in range(n):
+            seen.append((seen[parents[i]] if i else []) + [i])
+            rows += [i] * len(seen[i])
         mask = torch.zeros(n, n, dtype=torch.bool)
-        parents = self.parents.tolist()
-        mask[0, 0] = True
-        for i in range(1, n):
-            mask[i] = mask[parents[i]]
-            mask[i, i] = True
+        mask[rows, [j for path in seen for j in path]] = True
         return mask
 
     def children(self) -> list[list[int]]:
         """children()[i] = node indices whose parent is i, in node order (= draft preference order)."""
         if self._children is None:
             kids: list[list[int]] = [[] for _ in range(len(self))]
-            for i, p in enumerate(self.parents.tolist()):
+            for i, p in enumerate(self._as_lists()[1]):
                 if p >= 0:
                     kids[p].append(i)
             self._children = kids
@@ -90,7 +127,7 @@ class DraftTree:
 
     def path(self, node: int) -> list[int]:
         """Node indices from the root to `node`, inclusive."""
-        parents = self.parents.tolist()
+        parents = self._as_lists()[1]
         out = [node]
         while parents[out[-1]] >= 0:
             out.append(parents[out[-1]])
@@ -104,8 +141,7 @@ class DraftTree:
 
 def chain(tokens: list[int]) -> DraftTree:
     """A single path: tokens[0] is the root."""
-    n = len(tokens)
-    return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.arange(-1, n - 1, dtype=torch.long))
+    return DraftTree.from_lists(list(tokens), list(range(-1, len(tokens) - 1)))
 
 
 def validate_choices(choices: list[list[int]]) -> list[list[int]]:

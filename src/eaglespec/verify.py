@@ -73,7 +73,7 @@ class Verdict:
 def verify_greedy(tree: DraftTree, logits: Tensor) -> Verdict:
     """Walk from the root, following the child equal to the target's argmax. `logits`: [N, V]."""
     best = bf16gemm.argmax_rows(logits).tolist()  # [N]
-    tokens = tree.tokens.tolist()
+    tokens = tree.token_list()
     kids = tree.children()
     node, path = 0, [0]
     while True:
@@ -92,7 +92,7 @@ def verify_sample(tree: DraftTree, probs: Tensor, generator: torch.Generator) ->
     sampled from what is left of p. Since a proposal is a fixed function of the context, this emits exactly a
     sample from p at every position.
     """
-    tokens = tree.tokens.tolist()
+    tokens = tree.token_list()
     kids = tree.children()
     node, path = 0, [0]
     while True:
