@@ -195,7 +195,7 @@ class SpecDecoder:
         # needs logits (a whole prompt's rows through the LM head cost ~7 ms for 70 tokens on 2 cores).
         out = target.forward(torch.tensor(prompt_ids), logits_rows=slice(-1, None))
         target.commit()
-        root = sample_token(out.logits[-1], sampling, gen)
+        root = sample_token(out.head_logits[-1], sampling, gen)
         new_features = out.features if drafter.needs_features else None
         stats.prefill_time = time.perf_counter() - t_start
         pending = [root]
@@ -239,7 +239,7 @@ class SpecDecoder:
             positions = tree.positions(target.cache_len)
             out = target.forward(tree.tokens, positions, tree.ancestor_mask())
             if sampling.greedy:
-                verdict = verify_greedy(tree, out.logits)
+                verdict = verify_greedy(tree, out.head_logits)
             else:
                 verdict = self.sample_verifier(tree, target_probs(out.logits, sampling), gen)
             keep = torch.tensor(verdict.accepted)

@@ -419,7 +419,7 @@ class FastTarget(TargetModel):
 
         last = rms_norm(x, self.final_norm, self.eps)  # [n, d]
         rows = last if logits_rows is None else last[logits_rows]
-        logits = self.logits_head(rows).float()
+        logits = self.logits_head(rows)  # [rows, vocab] (TargetOutput.logits: float32)
         if self.feature_kind == "final":
             features = last
         elif self.feature_kind == "eagle3":

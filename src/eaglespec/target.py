@@ -9,8 +9,6 @@ key/value tensors for the commit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
@@ -19,10 +17,21 @@ from .errors import EagleSpecError
 FEATURE_KINDS = ("final", "eagle3")
 
 
-@dataclass
 class TargetOutput:
-    logits: Tensor  # [n, vocab] float32: next-token logits at every input position
-    features: Tensor | None  # [n, F]: "final": post-norm last hidden (F=d); "eagle3": 3 layers fused (F=3d)
+    """A forward's next-token logits at every input position and the features a draft head reads."""
+
+    def __init__(self, logits: Tensor, features: Tensor | None):
+        self.head_logits = logits  # [n, vocab] as the LM head gave them (bfloat16 for a bfloat16 model)
+        self.features = features  # [n, F]: "final": post-norm last hidden (F=d); "eagle3": 3 layers fused (F=3d)
+        self._logits: Tensor | None = None
+
+    @property
+    def logits(self) -> Tensor:
+        """[n, vocab] float32, converted on first use: greedy decoding reads `head_logits` (an argmax; the same
+        answer), which saves a bfloat16 step a float32 copy of its rows x 49152 logits."""
+        if self._logits is None:
+            self._logits = self.head_logits.float()
+        return self._logits
 
 
 class TargetModel:
