@@ -249,3 +249,29 @@ def test_argmax_rows_gives_torch_argmax_answer(dtype):
     assert torch.ops.eaglespec.argmax_rows(tied).tolist() == [5, 0, 40] == tied.argmax(-1).tolist()
     assert bf16gemm.loaded()
     assert torch.equal(bf16gemm.argmax_rows(tied[:, :50].T.contiguous().T), tied[:, :50].argmax(-1))  # strided rows
+
+
+def test_topk_rows_gives_the_k_best_in_order():
+    """The draft's top-k: torch.topk's values and indices (distinct values), equal values by ascending index,
+    -inf entries, k = V, one-dimensional input; a row with a NaN falls back to torch.topk."""
+    bf16gemm.load()
+    torch.manual_seed(2)
+    for n, v, k in [(1, 8192, 2), (3, 8192, 8), (2, 1000, 64), (1, 17, 17), (4, 5, 3), (1, 16, 1)]:
+        scores = torch.randn(n, v).log_softmax(-1)
+        values, indices = bf16gemm.topk_rows(scores, k)
+        expected = torch.topk(scores, k, dim=-1)
+        assert torch.equal(values, expected.values) and torch.equal(indices, expected.indices), (n, v, k)
+    tied = torch.full((2, 40), -5.0)
+    tied[0, [30, 3, 12]] = -1.0  # three equal best: ascending index
+    tied[0, 20] = -0.5
+    tied[1] = float("-inf")
+    tied[1, 39] = 0.0
+    values, indices = bf16gemm.topk_rows(tied, 4)
+    assert indices.tolist() == [[20, 3, 12, 30], [39, 0, 1, 2]]
+    assert values.tolist() == [[-0.5, -1.0, -1.0, -1.0], [0.0] + [float("-inf")] * 3]
+    one = torch.randn(300)
+    assert torch.equal(bf16gemm.topk_rows(one, 5)[1], torch.topk(one, 5).indices)  # [V] -> [k]
+    nan = torch.randn(2, 50)
+    nan[1, 7] = float("nan")
+    assert torch.equal(bf16gemm.topk_rows(nan, 3)[1], torch.topk(nan, 3).indices)
+    assert bf16gemm.topk_rows(torch.randn(1, 100), 65)[0].shape == (1, 65)  # beyond the kernel's k: torch.topk

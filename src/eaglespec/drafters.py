@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -83,6 +84,9 @@ class EagleDrafter(Drafter):
         if kernel and hasattr(self.head, "pack_rows"):  # EAGLE-1: the target LM head's rows of the draft vocabulary
             self.head.pack_rows = bf16gemm.Bf16Linear
         self.step = self.head.step  # (hidden, token_embeds, positions, cache, mask) -> [T, d]
+        # The k best children of a node: eaglespec's top-k where the head runs through its kernels (the same
+        # children, up to the order of equal scores), else torch's
+        self.topk = bf16gemm.topk_rows if kernel else partial(torch.topk, dim=-1)
         if compile:
             from . import compiled
 
@@ -200,7 +204,7 @@ class TreeGrowth:
 
     def _top_children(self, logp: Tensor, k: int) -> tuple[list, list]:
         """The k best children of each row of `logp` [..., Vd]: target ids and log-probs, as (nested) lists."""
-        values, draft_ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+        values, draft_ids = self.d.topk(logp, min(k, logp.shape[-1]))
         return self.d.head.to_target_ids(draft_ids).tolist(), values.tolist()
 
     def dynamic(self, total_tokens: int, depth: int, top_k: int) -> DraftTree:

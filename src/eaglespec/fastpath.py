@@ -376,10 +376,8 @@ class FastTarget(TargetModel):
         if c + n > self.capacity or top >= self.capacity:
             # Rows, not positions: a tree near the end of the context may need more rows than positions.
             self._grow(max(min(self.max_context, 2 * self.capacity), c + n, top + 1))
-        allowed = torch.ones(n, c + n, dtype=torch.bool, device=self.device)  # [n, c + n]
-        allowed[:, c:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_() if tree_mask is None \
-            else tree_mask.to(self.device)
-        mask = allowed[None, None] if n > 1 else None  # a one-token step sees every cached row and itself
+        step_rows = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_() if tree_mask is None \
+            else tree_mask.to(self.device)  # [n, n]: the step rows each row sees (the cached ones it sees all)
         # Row-invariant steps: for each query row, the end of the cache slice it sees, or its path of step rows.
         rows = None
         exact_kernel = self.row_invariant and self.attention_kernel and tree_mask is not None
@@ -388,7 +386,13 @@ class FastTarget(TargetModel):
             self.layer_keys = [keys.transpose(1, 2).contiguous() for keys in self.layer_keys]  # the kernel's layout
             self.keys_transposed = True
         if self.row_invariant and tree_mask is not None and not exact_kernel:
-            rows = [c + 1] if n == 1 else self._visible_rows(allowed[:, c:], c)
+            rows = [c + 1] if n == 1 else self._visible_rows(step_rows, c)
+        compiled_step = self.stack is not None and rows is None and c > 0  # decode steps; prompt prefills stay eager
+        mask = None  # [1, 1, n, c + n]: the whole mask, where attention takes one (a one-token step sees every row)
+        if n > 1 and not exact_kernel and not (compiled_step and self.tree_kernel):
+            allowed = torch.ones(n, c + n, dtype=torch.bool, device=self.device)
+            allowed[:, c:] = step_rows
+            mask = allowed[None, None]
         cos, sin = self.cos[positions][None], self.sin[positions][None]  # [1, n, hd]
         heads = (self.n_heads, self.n_kv, self.head_dim)
 
@@ -396,8 +400,8 @@ class FastTarget(TargetModel):
         feature_layers = self.eagle3_layers() if self.feature_kind == "eagle3" else ()
         step_mask = None  # the kernel's [n, n] mask of step rows (contiguous: the compiled graph reads it raw)
         if n > 1 and (self.tree_kernel or exact_kernel):
-            step_mask = allowed[:, c:].contiguous()
-        if self.stack is not None and rows is None and c > 0:  # decode steps; prompt prefills stay eager
+            step_mask = step_rows.contiguous()
+        if compiled_step:
             x, saved = self.stack(x, cos, sin, self.layer_keys, self.layer_values, c,
                                   step_mask if self.tree_kernel else mask)
             self.compiled_steps += 1
