@@ -8,9 +8,8 @@ counts by the same bound).
 
     python benchmarks/scripts/lm_head_screen_bound.py
 
-Session 19's first kernel also quantized x (one scale per row, for VNNI's integer dot products): SmolLM2's final
-hidden states have outlier channels (|x| up to ~50 against ~1), which made e_n ~10 logits wide and left ~23,000 of
-49,152 candidates; hence the float32 x here.
+The first line quantizes x too (one scale per row, as VNNI's integer dot products need): SmolLM2's final hidden
+states have outlier channels (|x| up to ~50 against ~1), which widen the bound; hence the float32 x in the others.
 """
 
 import torch
@@ -34,6 +33,16 @@ for prompt in prompts:
 x = torch.cat(rows)[::3]  # [M, K]
 print(f"{x.shape[0]} rows, largest |x| {float(x.abs().max()):.1f}")
 exact = x @ weight.T  # [M, N]
+# the input quantized too (one scale per row, as integer dot products need): its error sx / 2 per channel adds
+# sx * sum_k |s q_nk| / 2 to the bound
+row_scale = weight.abs().amax(-1, keepdim=True) / 127  # [N, 1]
+row_q = torch.round(weight / row_scale.clamp_min(1e-30)).clamp(-127, 127)
+row_err = (weight - row_q * row_scale).abs().amax(-1)  # [N]
+sx = x.abs().amax(-1, keepdim=True) / 127  # [M, 1]
+bound = x.abs().sum(-1, keepdim=True) * row_err + sx * (row_scale[:, 0] * row_q.abs().sum(-1) / 2)  # [M, N]
+candidates = ((exact + bound) >= (exact - bound).max(-1, keepdim=True).values).sum(-1).double()
+print(f"input quantized per row, weights per row: median bound {float(bound.median()):.3f} logits; candidates median "
+      f"{float(candidates.median()):.0f}, mean {float(candidates.mean()):.1f}, max {float(candidates.max()):.0f}")
 for group in (576, 64, 32, 16):
     w = weight.view(n, k // group, group)
     scale = w.abs().amax(-1, keepdim=True) / 127
