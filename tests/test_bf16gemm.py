@@ -139,11 +139,11 @@ def test_tree_calibration_is_kept_per_multiply_loop(model, monkeypatch):
     assert keys["dpbf16"][1] == keys["fma"][1]  # no kernel, nothing to tell apart
 
 
-@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-def test_compiled_bfloat16_drafter_runs_its_head_through_the_kernel(model, kind):
+@pytest.mark.parametrize("kind, int8", [("eagle1", True), ("eagle3", True), ("eagle1", False), ("eagle3", False)])
+def test_compiled_bfloat16_drafter_runs_its_head_through_the_kernel(model, kind, int8, monkeypatch):
     """Under --compile a bfloat16 head's products (layer step, EAGLE-3 fusion, draft LM head or EAGLE-1's rows of
-    the target's) use the kernel: the compiled drafter drafts what an eager drafter over the same kernel drafts, with
-    no recompiles."""
+    the target's) use the kernel, the draft LM head an int8 copy unless EAGLESPEC_DRAFT_INT8=0: the compiled drafter
+    drafts what an eager drafter over the same kernel drafts, with no recompiles."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from eaglespec import TreeSettings
@@ -151,16 +151,22 @@ def test_compiled_bfloat16_drafter_runs_its_head_through_the_kernel(model, kind)
     from eaglespec.drafters import EagleDrafter
     from test_engine import random_head
 
+    monkeypatch.setenv(bf16gemm.DRAFT_INT8_ENV, "1" if int8 else "0")
+    lm_head = bf16gemm.Int8Linear if int8 else bf16gemm.Bf16Linear
     head = random_head(model, kind).to(torch.bfloat16)
     target = FastTarget(model, "eagle3" if kind == "eagle3" else "final")
     settings = TreeSettings(total_tokens=6, depth=3, top_k=2)
     compiled = EagleDrafter(head, target.embed_tokens, target.lm_head, "dynamic", settings, compile=True)
-    kernel_layers = [m for m in compiled.head.modules() if isinstance(m, bf16gemm.Bf16Linear)]
+    assert compiled.int8 == int8
+    kernel_layers = [m for m in compiled.head.modules() if isinstance(m, (bf16gemm.Bf16Linear, bf16gemm.Int8Linear))]
     assert len(kernel_layers) == sum(isinstance(m, torch.nn.Linear) for m in head.modules()) > 0
     eager_head = bf16gemm.with_kernel(head)
     if kind == "eagle1":
-        assert compiled.head.pack_rows is bf16gemm.Bf16Linear
-        eager_head.pack_rows = bf16gemm.Bf16Linear
+        assert compiled.head.pack_rows is lm_head
+        eager_head.pack_rows = lm_head
+    else:
+        assert isinstance(compiled.head.lm_head, lm_head)
+        eager_head.lm_head = lm_head(head.lm_head.weight)
     eager = EagleDrafter(eager_head, target.embed_tokens, target.lm_head, "dynamic", settings)
     graphs = len(_debug_get_cache_entry_list(HeadStep.forward.__code__))
     gen = torch.Generator().manual_seed(0)
@@ -275,3 +281,66 @@ def test_topk_rows_gives_the_k_best_in_order():
     nan[1, 7] = float("nan")
     assert torch.equal(bf16gemm.topk_rows(nan, 3)[1], torch.topk(nan, 3).indices)
     assert bf16gemm.topk_rows(torch.randn(1, 100), 65)[0].shape == (1, 65)  # beyond the kernel's k: torch.topk
+
+
+@pytest.mark.parametrize("n, k", [(1000, 64), (49152, 576), (37, 18), (100, 33)])
+def test_screened_argmax_is_the_exact_argmax(n, k):
+    """Greedy decoding's screened LM head: the argmax of the exact logits (float64 here) for rows of every count,
+    ragged N and K, the lowest id among equal rows; a row alone gets the answer it gets among others."""
+    torch.manual_seed(n + k)
+    w = (torch.randn(n, k) * 0.05).bfloat16()
+    head = bf16gemm.GreedyHead(w)
+    x = torch.randn(11, k).bfloat16()  # 11 rows: passes of 8 and 3
+    best = head(x)
+    assert torch.equal(best, (x.double() @ w.double().T).argmax(-1))
+    assert [int(head(x[r : r + 1])[0]) for r in range(11)] == best.tolist()
+    tied = w.clone()
+    tied[n // 2] = tied[n // 3] = 4 * w[0]  # two equal best rows for x = w[0]
+    assert int(bf16gemm.GreedyHead(tied)(w[:1].float().bfloat16())[0]) == n // 3
+    bad = x[:2].clone()
+    bad[1, 0] = float("nan")
+    assert head(bad) is None  # the caller computes the logits
+
+
+def test_greedy_forward_gives_the_logits_argmax(model):
+    """A compiled bfloat16 target's greedy forward returns tokens, not logits, and they are its logits' argmax."""
+    target = FastTarget(model, "final", compile=True)
+    assert target.greedy_head is not None
+    target.warm_up()
+    target.forward(PROMPT)
+    target.commit()
+    c = target.cache_len
+    full = target.forward(TREE.tokens, TREE.positions(c), TREE.ancestor_mask())
+    target.commit(torch.zeros(0, dtype=torch.long))
+    greedy = target.forward(TREE.tokens, TREE.positions(c), TREE.ancestor_mask(), greedy=True)
+    assert greedy.head_logits is None and torch.equal(greedy.features, full.features)
+    assert greedy.greedy() == full.greedy() == full.logits.argmax(-1).tolist()
+    with pytest.raises(RuntimeError, match="greedy tokens only"):
+        greedy.logits
+
+
+@pytest.mark.parametrize("n, k, with_bias", [(1000, 64, True), (8192, 576, False), (37, 18, True), (100, 1152, False)])
+def test_int8_linear_is_close_to_the_product(n, k, with_bias):
+    """The draft heads' int8 products: within the screen's bound of the float64 product (one scale per weight row,
+    the input per block of 32 channels, an outlier channel included), the same for a row alone or among others,
+    NaN for a row that is not finite."""
+    torch.manual_seed(n + k)
+    w = (torch.randn(n, k) * 0.05).bfloat16()
+    bias = torch.randn(n) if with_bias else None
+    layer = bf16gemm.Int8Linear(w, bias)
+    x = torch.randn(11, k)
+    x[:, 3] *= 40  # an outlier channel, as target features have
+    y = layer(x)  # [11, n] float32
+    exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    _, _, b1, b2 = bf16gemm.int8_rows(w)
+    blocks = torch.nn.functional.pad(x.abs(), (0, -k % 32)).view(11, -1, 32).amax(-1) / 127  # [11, K32]
+    bound = x.abs().sum(-1, keepdim=True).double() * b1[:n].double() + blocks.sum(-1, keepdim=True).double() * b2[:n]
+    assert y.dtype == torch.float32 and y.shape == (11, n)
+    assert bool(((y.double() - exact).abs() <= bound).all())
+    assert (y.double() - exact).abs().max() < 0.05 * exact.abs().max()  # and close in practice
+    assert torch.equal(torch.cat([layer(x[r : r + 1]) for r in range(11)]), y)
+    assert torch.equal(layer(x.bfloat16()[:, None])[:, 0], layer(x.bfloat16().float()).bfloat16())  # [..., K], dtype
+    bad = x[:2].clone()
+    bad[1, 0] = float("nan")
+    out = layer(bad)
+    assert bool(out[1].isnan().all()) and torch.equal(out[0], y[0])

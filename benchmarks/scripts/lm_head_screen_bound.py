@@ -54,3 +54,13 @@ for group in (576, 64, 32, 16):
     print(f"groups of {group}: median bound {float(bound.median()):.3f} logits; candidates median "
           f"{float(candidates.median()):.0f}, mean {float(candidates.mean()):.1f}, max {float(candidates.max()):.0f}; "
           f"per-group errors {n * k // group * 4 / 1e6:.1f} MB")
+# What csrc/screened_argmax.cpp does (session 20): weights per row as above, the input quantized per block of 32
+# channels (an outlier widens only its own block); e_n = |x|_1 err_n + (sum_b sx_b) s_n max_b sum_{k in b} |q_nk| / 2
+blocks = x.view(-1, k // 32, 32)
+sx_blocks = (blocks.abs().amax(-1) / 127).sum(-1, keepdim=True)  # [M, 1]
+block_q = row_q.view(n, k // 32, 32).abs().sum(-1).amax(-1)  # [N]
+bound = x.abs().sum(-1, keepdim=True) * row_err + sx_blocks * (row_scale[:, 0] * block_q / 2)  # [M, N]
+candidates = ((exact + bound) >= (exact - bound).max(-1, keepdim=True).values).sum(-1).double()
+print(f"input quantized per 32 channels, weights per row: median bound {float(bound.median()):.3f} logits; "
+      f"candidates median {float(candidates.median()):.0f}, mean {float(candidates.mean()):.1f}, "
+      f"max {float(candidates.max()):.0f}")

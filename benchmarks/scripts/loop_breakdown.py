@@ -26,7 +26,7 @@ PROMPT = ("Compose an engaging travel blog post about a recent trip to Hawaii, h
 PARTS = {  # (file suffix, function name) -> label
     ("fastpath.py", "forward"): "target forward",
     ("fastpath.py", "commit"): "target commit",
-    ("verify.py", "verify_greedy"): "greedy acceptance",
+    ("verify.py", "walk_greedy"): "greedy acceptance",
     ("decode.py", "push"): "text stream",
     ("drafters.py", "draft"): "draft (all)",
     ("drafters.py", "_catch_up"): "  head catch-up",

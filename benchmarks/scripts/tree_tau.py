@@ -8,6 +8,9 @@ or tree shapes in minutes, then confirm with `eaglespec bench`, whose tau counts
 
     python benchmarks/scripts/tree_tau.py --reference benchmarks/runs/mtbench-80q-256-s5-fp32 \
         --head src/eaglespec/shipped_heads/smollm2-135m-eagle1 --questions 16 --threads 2
+
+`--dtype bfloat16 --compile` drafts as `bench --compile` does on a CPU with AVX-512 BF16 (the head's products
+through eaglespec's kernels, int8 copies unless EAGLESPEC_DRAFT_INT8=0); the reference's answers stay the targets.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from eaglespec import Engine, TreeSettings
 from eaglespec.autotree import record_candidates
 from eaglespec.bench.datasets import load_questions
 
-SETTINGS = ((6, 2, 4), (16, 5, 4), (24, 6, 6), (32, 6, 8), (48, 7, 8), (60, 6, 10), (60, 8, 10), (64, 10, 10))
+SETTINGS = ((4, 2, 4), (6, 2, 4), (6, 3, 4), (8, 3, 4), (16, 5, 4), (24, 6, 6), (32, 6, 8), (48, 7, 8), (60, 6, 10), (60, 8, 10), (64, 10, 10))
 
 
 def main() -> None:
@@ -34,6 +37,8 @@ def main() -> None:
     p.add_argument("--questions", type=int, default=16, help="spread evenly over the reference's questions")
     p.add_argument("--stride", type=int, default=2, help="draft at every N-th answer position")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--compile", action="store_true")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -42,7 +47,8 @@ def main() -> None:
     answers = {r["question_id"]: r for r in rows if r["method"] == "vanilla" and r["turn"] == 1}
     questions = [q for q in load_questions(args.dataset) if q.question_id in answers]
     questions = questions[:: max(1, len(questions) // args.questions)][: args.questions]
-    engine = Engine(model=args.model, head=args.head, method="eagle2", dtype="float32", tree=TreeSettings())
+    engine = Engine(model=args.model, head=args.head, method="eagle2", dtype=args.dtype,
+                    compile=args.compile, tree=TreeSettings())
     sequences = []
     for q in questions:
         ids = engine.encode([{"role": "user", "content": q.turns[0]}])

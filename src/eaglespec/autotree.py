@@ -52,12 +52,12 @@ CALIBRATION_TOP_K = 8
 TREE_SIZES = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # total_tokens candidates (root included)
 DEPTHS = tuple(range(1, CALIBRATION_DEPTH + 1))
 TOP_KS = (1, 2, 3, 4, 6, 8)
-VERSION = 11  # bump when the calibration changes meaning (3: bfloat16 packed, float32 attention; 4: draft time
+VERSION = 12  # bump when the calibration changes meaning (3: bfloat16 packed, float32 attention; 4: draft time
 # includes the round start, timed after a target forward; 5: --compile runs three graphs by tree size; 6: and
 # compiles the head step; 7: compiled bfloat16 products through eaglespec's own kernel, per-layer caches; 8: and
 # the head's, without guards on the compiled modules; 9: decode-step attention through eaglespec's kernel; 10:
 # the kernel's products of 7-64 rows stream the weights once; 11: its multiply loop is chosen per machine, and is
-# part of the key)
+# part of the key; 12: verify passes timed as greedy decoding runs them, with the screened LM head)
 
 
 @dataclass
@@ -164,7 +164,7 @@ def verify_costs(target: TargetModel, sizes=TREE_SIZES, context: int = 192, repe
                 tokens = torch.randint(0, vocab, (n,))
                 mask = torch.ones(n, n, dtype=torch.bool).tril_()
                 t0 = time.perf_counter()
-                target.forward(tokens, torch.arange(context, context + n), mask)
+                target.forward(tokens, torch.arange(context, context + n), mask, greedy=True)  # as greedy decoding
                 target.commit(torch.zeros(0, dtype=torch.long))  # keep nothing: the context stays as it was
                 if rep:
                     times[n].append(1000 * (time.perf_counter() - t0))

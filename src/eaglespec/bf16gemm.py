@@ -37,11 +37,13 @@ from torch import Tensor, nn
 from .errors import EagleSpecError
 
 # The bfloat16 products, the decode-step attention (csrc/tree_attention.cpp), the KV-cache commit of an accepted
-# path (csrc/commit_rows.cpp), the verified rows' argmax (csrc/argmax_rows.cpp) and the draft's top-k
-# (csrc/topk_rows.cpp), built as one extension.
+# path (csrc/commit_rows.cpp), the verified rows' argmax (csrc/argmax_rows.cpp), the draft's top-k
+# (csrc/topk_rows.cpp) and greedy decoding's screened LM head (csrc/screened_argmax.cpp), built as one extension.
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("bf16_gemm.cpp", "tree_attention.cpp", "commit_rows.cpp", "argmax_rows.cpp", "topk_rows.cpp")]
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
+           for name in ("bf16_gemm.cpp", "tree_attention.cpp", "commit_rows.cpp", "argmax_rows.cpp", "topk_rows.cpp",
+                        "screened_argmax.cpp")]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
+         "-fopenmp"]
 
 
 def cpu_supported() -> bool:
@@ -49,7 +51,7 @@ def cpu_supported() -> bool:
     from .models import cpu_flags
 
     flags = cpu_flags()
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"} <= flags
 
 
 def can_build() -> bool:
@@ -87,6 +89,10 @@ def load() -> None:
     @torch.library.register_fake("eaglespec::bf16_linear")
     def _(x: Tensor, packed: Tensor, n: int, bias: Tensor | None, variant: int = 0) -> Tensor:
         return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("eaglespec::int8_linear")
+    def _(x: Tensor, packed: Tensor, scale: Tensor, n: int, bias: Tensor | None) -> Tensor:
+        return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
     @torch.library.register_fake("eaglespec::tree_attention")
     def _(q: Tensor, keys: Tensor, values: Tensor, step_mask: Tensor | None) -> Tensor:
@@ -193,6 +199,78 @@ def topk_rows(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return torch.topk(scores, k, dim=-1)
 
 
+INT8_LANES, INT8_BLOCK = 16, 32  # csrc/screened_argmax.cpp: output columns per packed group, input channels per block
+
+
+def int8_rows(weight: Tensor, chunk: int = 4096) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """An int8 copy of a [N, K] weight for csrc/screened_argmax.cpp's VNNI products, one scale per row: (packed
+    [ceil(N/16), K32/4, 16, 4] uint8 holding q + 128, scale, b1, b2 [ceil(N/16) * 16] float32). b1 and b2 bound how far
+    the int8 products can be from float32 ones (the kernel's comment has the derivation)."""
+    w = weight.detach()
+    n, k = w.shape
+    u = 2.0 ** -24
+    gamma = k * u / (1 - k * u)  # float32 rounding of a K-term sum, relative to the sum of magnitudes
+    n_pad, k_pad = n + (-n % INT8_LANES), k + (-k % INT8_BLOCK)
+    packed = torch.full((n_pad, k_pad), 128, dtype=torch.uint8)  # q + 128 (padding: q = 0)
+    scale, b1, b2 = (torch.zeros(n_pad, dtype=torch.float32) for _ in range(3))
+    for start in range(0, n, chunk):  # (float64 copies of a few thousand rows at a time)
+        rows = w[start : start + chunk].double()  # [c, K], exact
+        end = start + rows.shape[0]
+        peak = rows.abs().amax(dim=1)  # [c]
+        s = (peak / 127).float()  # [c] float32
+        q = torch.where(s[:, None] > 0, torch.round(rows / s.double().clamp_min(1e-30)[:, None]), 0.0)
+        q = q.clamp(-127, 127)
+        err = (rows - q * s.double()[:, None]).abs().amax(dim=1)  # [c]: max |w - s q|, exact in float64
+        packed[start:end, :k] = (q + 128).to(torch.uint8)
+        scale[start:end] = s
+        # |x|_1 times: the weights' quantization error, both float32 sums' rounding, a margin for the rest
+        b1[start:end] = (1.01 * (err + 3 * gamma * peak) + 1e-5 * peak).float() * (1 + 1e-6)
+        # sum_b sx_b times: the input's quantization error (sx_b / 2 a channel) against the block's sum |s q|
+        block_q = torch.nn.functional.pad(q.abs(), (0, k_pad - k)).view(-1, k_pad // INT8_BLOCK, INT8_BLOCK)
+        b2[start:end] = (1.01 * s.double() * block_q.sum(-1).amax(-1) / 2).float() * (1 + 1e-6)
+    # 16 columns x 4 consecutive k per 64 bytes (one vpdpbusd operand)
+    packed = packed.view(-1, INT8_LANES, k_pad // 4, 4).transpose(1, 2).contiguous()
+    return packed, scale, b1, b2
+
+
+class GreedyHead:
+    """Greedy decoding's token for each row of x [M, K] under a bfloat16 LM head W [N, K] (no bias), reading an int8
+    copy of W (half the bytes) and scoring exactly only the tokens it cannot rule out: csrc/screened_argmax.cpp has
+    the bound that makes the answer the argmax of the exact float32 logits, ties to the lowest id. Holds the int8
+    copy (N K bytes) and a reference to W. Needs AVX-512 VNNI (every CPU with AVX-512 BF16 has it)."""
+
+    def __init__(self, weight: Tensor):
+        load()
+        self.weight = weight.detach().to(torch.bfloat16).contiguous()  # [N, K]
+        self.packed, self.scale, self.b1, self.b2 = int8_rows(self.weight)
+
+    def __call__(self, x: Tensor) -> Tensor | None:
+        """[M, K] -> [M] int64 token ids, or None where an input row is not finite (compute the logits then)."""
+        best = torch.ops.eaglespec.screened_argmax(x.reshape(-1, x.shape[-1]).contiguous(), self.packed,
+                                                   self.scale, self.b1, self.b2, self.weight)
+        return None if bool((best < 0).any()) else best
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T (+ b) from an int8 copy of W (one scale per row) and x quantized per block of 32 channels, through
+    AVX-512 VNNI (csrc/screened_argmax.cpp): half the bytes of bfloat16, approximate. For a draft head only, whose
+    errors can cost acceptance but never change what the target accepts. x [..., K] -> [..., N] in x's dtype."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        super().__init__()
+        load()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        packed_weight, scale, _, _ = int8_rows(weight)
+        self.register_buffer("packed", packed_weight)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features)  # [M, K]
+        y = torch.ops.eaglespec.int8_linear(rows, self.packed, self.scale, self.out_features, self.bias)  # [M, N] f32
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
 class Bf16Linear(nn.Module):
     """y = x W^T (+ b) through the kernel, W packed once (as much memory as W). x [..., K] -> [..., N] bfloat16."""
 
@@ -218,3 +296,13 @@ def with_kernel(module: nn.Module) -> nn.Module:
 
     return replace_linears(module, lambda linear: Bf16Linear(linear.weight, linear.bias)
                            if available(linear.weight.dtype, linear.weight.device) else None)
+
+
+DRAFT_INT8_ENV = "EAGLESPEC_DRAFT_INT8"
+
+
+def draft_int8() -> bool:
+    """Whether draft heads that run on the kernels score their draft vocabulary through an int8 copy of its LM-head
+    rows (`Int8Linear`): on unless $EAGLESPEC_DRAFT_INT8 is 0. Drafting only: the target's products stay bfloat16,
+    so the output is the same. (The head's layer stays bfloat16: its products are too small to gain.)"""
+    return os.environ.get(DRAFT_INT8_ENV, "1").strip() != "0"

@@ -14,7 +14,7 @@ import torch
 from .drafters import Drafter
 from .errors import EagleSpecError
 from .target import TargetModel
-from .verify import SamplingParams, target_probs, verify_greedy, verify_sample, sample_token
+from .verify import SamplingParams, sample_token, target_probs, verify_sample, walk_greedy
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 
@@ -193,9 +193,9 @@ class SpecDecoder:
 
         # Prefill: the target reads the prompt and chooses the first new token (the first root); only the last row
         # needs logits (a whole prompt's rows through the LM head cost ~7 ms for 70 tokens on 2 cores).
-        out = target.forward(torch.tensor(prompt_ids), logits_rows=slice(-1, None))
+        out = target.forward(torch.tensor(prompt_ids), logits_rows=slice(-1, None), greedy=sampling.greedy)
         target.commit()
-        root = sample_token(out.head_logits[-1], sampling, gen)
+        root = out.greedy()[-1] if sampling.greedy else sample_token(out.head_logits[-1], sampling, gen)
         new_features = out.features if drafter.needs_features else None
         stats.prefill_time = time.perf_counter() - t_start
         pending = [root]
@@ -237,9 +237,9 @@ class SpecDecoder:
                 tree = tree.truncate_depth(max(room, 0))
             t1 = time.perf_counter()
             positions = tree.positions(target.cache_len)
-            out = target.forward(tree.tokens, positions, tree.ancestor_mask())
+            out = target.forward(tree.tokens, positions, tree.ancestor_mask(), greedy=sampling.greedy)
             if sampling.greedy:
-                verdict = verify_greedy(tree, out.head_logits)
+                verdict = walk_greedy(tree, out.greedy())
             else:
                 verdict = self.sample_verifier(tree, target_probs(out.logits, sampling), gen)
             keep = torch.tensor(verdict.accepted)

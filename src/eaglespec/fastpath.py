@@ -195,8 +195,11 @@ class FastTarget(TargetModel):
         if kernel_steps:
             bf16gemm.load()  # now, not in the middle of the first generation
         head = self.lm_head
+        self.greedy_head: bf16gemm.GreedyHead | None = None  # greedy steps' token without the whole LM head
         if self.bf16_gemm:
             self.logits_head: Linear = bf16gemm.Bf16Linear(head.weight, head.bias)
+            if head.bias is None and bool(head.weight.isfinite().all()):
+                self.greedy_head = bf16gemm.GreedyHead(head.weight)
         else:
             self.logits_head = self._linear(head.weight, head.bias) if self.quantize or self.pack else head
         self.layers = [self._fuse(layer) for layer in self.decoder.layers]
@@ -362,7 +365,9 @@ class FastTarget(TargetModel):
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, positions: Tensor | None = None, tree_mask: Tensor | None = None,
-                logits_rows: Tensor | slice | None = None) -> TargetOutput:
+                logits_rows: Tensor | slice | None = None, greedy: bool = False) -> TargetOutput:
+        """`TargetModel.forward`; `greedy`: where the target has a `greedy_head` (the bfloat16 kernels), return the
+        greedy token of each row (`TargetOutput.greedy_tokens`) instead of the logits."""
         if self._pending:
             raise RuntimeError("commit() the previous forward before running another one")
         tokens = tokens.to(self.device)
@@ -423,7 +428,8 @@ class FastTarget(TargetModel):
 
         last = rms_norm(x, self.final_norm, self.eps)  # [n, d]
         rows = last if logits_rows is None else last[logits_rows]
-        logits = self.logits_head(rows)  # [rows, vocab] (TargetOutput.logits: float32)
+        best = self.greedy_head(rows) if greedy and self.greedy_head is not None else None  # [rows] or None
+        logits = self.logits_head(rows) if best is None else None  # [rows, vocab] (TargetOutput.logits: float32)
         if self.feature_kind == "final":
             features = last
         elif self.feature_kind == "eagle3":
@@ -431,7 +437,7 @@ class FastTarget(TargetModel):
             features = torch.cat([by_layer[i] for i in self.eagle3_layers()], dim=-1)  # [n, 3d]
         else:
             features = None
-        return TargetOutput(logits=logits, features=features)
+        return TargetOutput(logits=logits, features=features, greedy_tokens=best)
 
 
 def make_target(model, feature_kind: str | None = "final", backend: str = "auto",

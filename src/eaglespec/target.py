@@ -20,18 +20,32 @@ FEATURE_KINDS = ("final", "eagle3")
 class TargetOutput:
     """A forward's next-token logits at every input position and the features a draft head reads."""
 
-    def __init__(self, logits: Tensor, features: Tensor | None):
+    def __init__(self, logits: Tensor | None, features: Tensor | None, greedy_tokens: Tensor | None = None):
         self.head_logits = logits  # [n, vocab] as the LM head gave them (bfloat16 for a bfloat16 model)
         self.features = features  # [n, F]: "final": post-norm last hidden (F=d); "eagle3": 3 layers fused (F=3d)
+        # [n] int64: the greedy token of each row, where a `forward(..., greedy=True)` computed it instead of the
+        # logits (FastTarget.greedy_head); then head_logits is None
+        self.greedy_tokens = greedy_tokens
         self._logits: Tensor | None = None
 
     @property
     def logits(self) -> Tensor:
         """[n, vocab] float32, converted on first use: greedy decoding reads `head_logits` (an argmax; the same
         answer), which saves a bfloat16 step a float32 copy of its rows x 49152 logits."""
+        if self.head_logits is None:
+            raise RuntimeError("this forward computed greedy tokens only (greedy=True): run it with greedy=False "
+                               "for logits")
         if self._logits is None:
             self._logits = self.head_logits.float()
         return self._logits
+
+    def greedy(self) -> list[int]:
+        """The greedy (argmax) token of every row."""
+        if self.greedy_tokens is not None:
+            return self.greedy_tokens.tolist()
+        from .bf16gemm import argmax_rows
+
+        return argmax_rows(self.head_logits).tolist()
 
 
 class TargetModel:
@@ -142,10 +156,13 @@ class TargetModel:
         positions: Tensor | None = None,
         tree_mask: Tensor | None = None,
         logits_rows: Tensor | slice | None = None,
+        greedy: bool = False,
     ) -> TargetOutput:
         """Run the target on `tokens` [n] at `positions` [n] (default: consecutive after the prefix), where
         `tree_mask` [n, n] bool says which of these tokens each one sees (default: causal). Every input also
-        sees the whole committed prefix. Call `commit` before the next forward."""
+        sees the whole committed prefix. Call `commit` before the next forward. `logits_rows`: the rows to compute
+        logits for (default all). `greedy`: the caller needs only each row's argmax (`TargetOutput.greedy`); a
+        target may then skip the logits (FastTarget does with the bfloat16 kernels; this one computes them)."""
         if self._pending:
             raise RuntimeError("commit() the previous forward before running another one")
         tokens = tokens.to(self.device)

@@ -72,7 +72,11 @@ class Verdict:
 
 def verify_greedy(tree: DraftTree, logits: Tensor) -> Verdict:
     """Walk from the root, following the child equal to the target's argmax. `logits`: [N, V]."""
-    best = bf16gemm.argmax_rows(logits).tolist()  # [N]
+    return walk_greedy(tree, bf16gemm.argmax_rows(logits).tolist())
+
+
+def walk_greedy(tree: DraftTree, best: list[int]) -> Verdict:
+    """`verify_greedy` given the target's greedy token at every node (`best` [N], e.g. `TargetOutput.greedy()`)."""
     tokens = tree.token_list()
     kids = tree.children()
     node, path = 0, [0]
