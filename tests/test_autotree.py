@@ -135,6 +135,21 @@ def test_verify_costs_cover_the_sizes_that_fit():
     assert max(verify_costs(make_target(small, feature_kind=None), sizes=(2, 8, 32), context=64, repeats=1)) == 8
 
 
+def test_verify_costs_time_passes_over_the_given_text(monkeypatch):
+    """With real text, the context and each timed tree are that text's tokens (greedy decoding's screened LM head
+    does its usual work only on real hidden states); too short a text falls back to random tokens."""
+    target = make_target(make_model("llama"), feature_kind=None)
+    seen = []
+    forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda tokens, *a, **k: seen.append(tokens.tolist()) or forward(tokens, *a, **k))
+    text = [(7 * i + 3) % target.vocab_size for i in range(100)]
+    verify_costs(target, sizes=(2, 8), context=64, repeats=1, text=text)
+    assert seen[0] == text[:64] and {tuple(s) for s in seen[1:]} == {tuple(text[64 : 64 + n]) for n in (1, 2, 8)}
+    seen.clear()
+    verify_costs(target, sizes=(2, 8), context=64, repeats=1, text=text[:70])
+    assert len(seen[0]) == 64 and seen[0] != text[:64]
+
+
 def test_auto_tree_engine_is_lossless_and_cached():
     model = make_model("llama")
     head = random_head(model, "eagle3")

@@ -314,7 +314,10 @@ def test_greedy_forward_gives_the_logits_argmax(model):
     target.commit(torch.zeros(0, dtype=torch.long))
     greedy = target.forward(TREE.tokens, TREE.positions(c), TREE.ancestor_mask(), greedy=True)
     assert greedy.head_logits is None and torch.equal(greedy.features, full.features)
-    assert greedy.greedy() == full.greedy() == full.logits.argmax(-1).tolist()
+    # the argmax of the exact logits of the LM head's input (the "final" features), not of bfloat16-rounded ones
+    exact = full.features.double() @ target.lm_head.weight.double().T
+    assert greedy.greedy() == exact.argmax(-1).tolist()
+    assert full.greedy() == full.logits.argmax(-1).tolist()  # without greedy=True: the logits' argmax
     with pytest.raises(RuntimeError, match="greedy tokens only"):
         greedy.logits
 

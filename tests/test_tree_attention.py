@@ -184,6 +184,8 @@ def test_bfloat16_speculative_tokens_equal_plain_decoding(model, option):
     spec = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2", **{option: True},
                              tree=TreeSettings(total_tokens=8, depth=4, top_k=3))
     assert spec.target.attention_kernel and (spec.target.row_invariant or spec.target.tree_kernel)
+    # --compile: both pick greedy tokens through the screened LM head (bf16gemm.GreedyHead), not the logits
+    assert (spec.target.greedy_head is not None) == (plain.target.greedy_head is not None) == (option == "compile")
     taus = []
     for prompt in PROMPTS:
         expected = plain.generate(prompt, max_new_tokens=40)

@@ -52,12 +52,13 @@ CALIBRATION_TOP_K = 8
 TREE_SIZES = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # total_tokens candidates (root included)
 DEPTHS = tuple(range(1, CALIBRATION_DEPTH + 1))
 TOP_KS = (1, 2, 3, 4, 6, 8)
-VERSION = 12  # bump when the calibration changes meaning (3: bfloat16 packed, float32 attention; 4: draft time
+VERSION = 13  # bump when the calibration changes meaning (3: bfloat16 packed, float32 attention; 4: draft time
 # includes the round start, timed after a target forward; 5: --compile runs three graphs by tree size; 6: and
 # compiles the head step; 7: compiled bfloat16 products through eaglespec's own kernel, per-layer caches; 8: and
 # the head's, without guards on the compiled modules; 9: decode-step attention through eaglespec's kernel; 10:
 # the kernel's products of 7-64 rows stream the weights once; 11: its multiply loop is chosen per machine, and is
-# part of the key; 12: verify passes timed as greedy decoding runs them, with the screened LM head)
+# part of the key; 12: verify passes timed as greedy decoding runs them, with the screened LM head; 13: over real
+# text, not random tokens)
 
 
 @dataclass
@@ -147,21 +148,28 @@ class TreeChoice:
 
 
 # ---- measurements -----------------------------------------------------------------------------------------
-def verify_costs(target: TargetModel, sizes=TREE_SIZES, context: int = 192, repeats: int = 5) -> dict[int, float]:
+def verify_costs(target: TargetModel, sizes=TREE_SIZES, context: int = 192, repeats: int = 5,
+                 text: list[int] | None = None) -> dict[int, float]:
     """Milliseconds per target forward of n tree tokens after `context` committed tokens: {n: ms}. The sizes are
     timed in interleaved passes (median per size), so a slow spell of the machine does not bend the curve at a
-    few sizes only, and the curve is made non-decreasing (a bigger tree never costs less)."""
+    few sizes only, and the curve is made non-decreasing (a bigger tree never costs less). `text`: real token ids
+    (the calibration's greedy answers, joined) for the context and the tree tokens, so that greedy decoding's
+    screened LM head sees the hidden states it sees in decoding (random tokens give flat logits, which leave it
+    many more candidates to score); random tokens where it is missing or too short."""
     vocab = target.vocab_size
     context = max(1, min(context, target.max_context // 2))
     sizes = sorted({s for s in set(sizes) | {1} if context + s <= target.max_context})
+    ids = torch.tensor(text[: context + max(sizes)]) if text else None
+    if ids is None or ids.numel() < context + max(sizes):
+        ids = torch.randint(0, vocab, (context + max(sizes),))
     times: dict[int, list[float]] = {n: [] for n in sizes}
     with torch.inference_mode():
         target.reset()
-        target.forward(torch.randint(0, vocab, (context,)))
+        target.forward(ids[:context])
         target.commit()
         for rep in range(repeats + 1):  # pass 0 is a warm-up
             for n in sizes:
-                tokens = torch.randint(0, vocab, (n,))
+                tokens = ids[context : context + n]
                 mask = torch.ones(n, n, dtype=torch.bool).tril_()
                 t0 = time.perf_counter()
                 target.forward(tokens, torch.arange(context, context + n), mask, greedy=True)  # as greedy decoding
@@ -322,8 +330,9 @@ def cache_path(engine, mode: str) -> Path:
     return cache_root() / "trees" / f"{_digest(mode + '|' + _fingerprint(engine.head) + '|' + _target_key(engine.target))}.json"
 
 
-def cached_verify_costs(target: TargetModel, use_cache: bool = True) -> dict[int, float]:
-    """`verify_costs`, measured once per target and machine (shared by every head of that target)."""
+def cached_verify_costs(target: TargetModel, use_cache: bool = True, text: list[int] | None = None
+                        ) -> dict[int, float]:
+    """`verify_costs` (over `text`), measured once per target and machine (shared by every head of that target)."""
     from .models import cache_root
 
     path = cache_root() / "trees" / f"verify-{_digest(_target_key(target))}.json"
@@ -332,7 +341,7 @@ def cached_verify_costs(target: TargetModel, use_cache: bool = True) -> dict[int
             return {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
         except (json.JSONDecodeError, AttributeError, ValueError):
             path.unlink(missing_ok=True)
-    costs = verify_costs(target)
+    costs = verify_costs(target, text=text)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(costs) + "\n")
     return costs
@@ -377,8 +386,8 @@ def auto_tree(engine, prompts=CALIBRATION_PROMPTS, new_tokens: int = 80, stride:
     say("tree auto: calibrating the draft tree for this machine (once; cached in "
         f"{path.parent}) ...")
     t0 = time.perf_counter()
-    verify_ms = cached_verify_costs(engine.target, use_cache)
     sequences = _greedy_sequences(engine, prompts, new_tokens, progress)
+    verify_ms = cached_verify_costs(engine.target, use_cache, text=[t for seq, _ in sequences for t in seq])
     pairs = [(d, 1) for d in DEPTHS] if drafter.mode == "chain" else [(d, k) for d in DEPTHS for k in TOP_KS]
     rounds, draft_ms = record_candidates(drafter, engine.target, sequences, stride=stride, time_settings=pairs,
                                          progress=progress)

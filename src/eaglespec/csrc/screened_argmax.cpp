@@ -41,6 +41,7 @@ constexpr int64_t kLanes = 16;  // output columns per packed group
 constexpr int64_t kRows = 8;    // input rows per pass
 constexpr int64_t kBlock = 32;  // input channels per quantization block of x
 constexpr int64_t kSteps = kBlock / 4;  // vpdpbusd steps (4 channels each) per block
+constexpr int64_t kSerialCandidates = 256;  // exact scores one thread computes before the work is shared
 constexpr int64_t kAhead = 8 * kBlock * kLanes;  // software prefetch distance in weight bytes: 8 blocks
 
 // E_n for one input row (float32 [K]) and one bfloat16 weight row: 16 lanes of ordered FMAs (lane l over k = l mod
@@ -202,6 +203,8 @@ at::Tensor screened_argmax(const at::Tensor& x_in, const at::Tensor& packed, con
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float *sp = scale.data_ptr<float>(), *b1p = b1.data_ptr<float>(), *b2p = b2.data_ptr<float>();
+  std::vector<int64_t> candidates;
+  std::vector<float> exact;
   for (int64_t r0 = 0; r0 < m; r0 += kRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r0));
     Quantized q[kRows];
@@ -227,24 +230,31 @@ at::Tensor screened_argmax(const at::Tensor& x_in, const at::Tensor& packed, con
       default: screen<8>(q, blocks, pp, sp, b1p, b2p, l1, sxsum, groups, n, n_pad, hi, lo); break;
     }
     for (int r = 0; r < rows; ++r) {
-      // candidates: a + e >= T, scanned in ascending n; the first largest E wins
+      // candidates: a + e >= T, in ascending n; then the first largest E wins
       const float* h = hi + r * n_pad;
       const __m512 t = _mm512_set1_ps(lo[r]);
-      float best = -std::numeric_limits<float>::infinity();
-      int64_t best_n = -1;
+      candidates.clear();
       for (int64_t i = 0; i < n; i += kLanes) {
         const __mmask16 valid = n - i >= kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-        __mmask16 pass = _mm512_mask_cmp_ps_mask(valid, _mm512_loadu_ps(h + i), t, _CMP_GE_OQ);
-        while (pass) {
-          const int lane = __builtin_ctz(pass);
-          pass &= pass - 1;
-          const float exact = exact_dot(xp + (r0 + r) * k, w + (i + lane) * k, k);
-          if (best_n < 0 || exact > best) {
-            best = exact;
-            best_n = i + lane;
-          }
-        }
+        for (__mmask16 pass = _mm512_mask_cmp_ps_mask(valid, _mm512_loadu_ps(h + i), t, _CMP_GE_OQ); pass;
+             pass &= pass - 1)
+          candidates.push_back(i + __builtin_ctz(pass));
       }
+      const float* row = xp + (r0 + r) * k;
+      const int64_t count = static_cast<int64_t>(candidates.size());
+      exact.resize(candidates.size());
+      // A handful on real hidden states; many where the logits are flat (e.g. random tokens): then the threads
+      // share them (each E is the same whichever thread computes it)
+      at::parallel_for(0, count, kSerialCandidates, [&](int64_t c0, int64_t c1) {
+        for (int64_t c = c0; c < c1; ++c) exact[c] = exact_dot(row, w + candidates[c] * k, k);
+      });
+      float best = -std::numeric_limits<float>::infinity();
+      int64_t best_n = -1;
+      for (int64_t c = 0; c < count; ++c)
+        if (best_n < 0 || exact[c] > best) {
+          best = exact[c];
+          best_n = candidates[c];
+        }
       op[r0 + r] = best_n;
     }
   }
