@@ -1,5 +1,5 @@
-"""How many vocabulary entries a rigorous int8 screen of SmolLM2-135M's LM head would leave to score exactly
-(an idea for greedy decoding measured in session 19, not built): with the head's rows quantized to int8 in groups
+"""How many vocabulary entries a rigorous int8 screen of SmolLM2-135M's LM head leaves to score exactly (session 19
+measured the idea; session 20 built the last line's version, csrc/screened_argmax.cpp): with the head's rows quantized to int8 in groups
 of G input channels (a scale per row and group) and the input row x kept in float32, every logit a_n of the int8
 copy is within e_n = sum_g |x_g|_1 err_ng of the exact one (err_ng: the group's largest |w - s q|), so only the
 n with a_n + e_n >= max_m (a_m - e_m) can be the argmax. Prints the bound and the candidate counts over the
@@ -10,6 +10,8 @@ counts by the same bound).
 
 The first line quantizes x too (one scale per row, as VNNI's integer dot products need): SmolLM2's final hidden
 states have outlier channels (|x| up to ~50 against ~1), which widen the bound; hence the float32 x in the others.
+The last two lines quantize x per block of 32 channels (an outlier widens only its block), as the kernel does, on
+those hidden states and on those of random tokens.
 """
 
 import torch
@@ -63,4 +65,15 @@ bound = x.abs().sum(-1, keepdim=True) * row_err + sx_blocks * (row_scale[:, 0] *
 candidates = ((exact + bound) >= (exact - bound).max(-1, keepdim=True).values).sum(-1).double()
 print(f"input quantized per 32 channels, weights per row: median bound {float(bound.median()):.3f} logits; "
       f"candidates median {float(candidates.median()):.0f}, mean {float(candidates.mean()):.1f}, "
+      f"max {float(candidates.max()):.0f}")
+# The same screen on hidden states of random tokens (what tree auto timed before session 20): flat logits
+ids = torch.randint(0, 40000, (320,))
+target.reset()
+x_random = target.forward(ids).features.double()[-100::5]  # [20, K]
+target.commit()
+sx_random = (x_random.view(-1, k // 32, 32).abs().amax(-1) / 127).sum(-1, keepdim=True)
+exact = x_random @ weight.T
+bound = x_random.abs().sum(-1, keepdim=True) * row_err + sx_random * (row_scale[:, 0] * block_q / 2)
+candidates = ((exact + bound) >= (exact - bound).max(-1, keepdim=True).values).sum(-1).double()
+print(f"the same on 20 hidden states of random tokens: candidates median {float(candidates.median()):.0f}, "
       f"max {float(candidates.max()):.0f}")

@@ -47,7 +47,8 @@ FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512
 
 
 def cpu_supported() -> bool:
-    """True on a CPU with AVX-512 BF16 (the kernel's only instruction set)."""
+    """True on a CPU with AVX-512 BF16 and VNNI (the kernels' instruction sets; every CPU with the first has the
+    second)."""
     from .models import cpu_flags
 
     flags = cpu_flags()

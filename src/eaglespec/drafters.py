@@ -77,10 +77,9 @@ class EagleDrafter(Drafter):
         if mode not in ("dynamic", "static", "chain"):
             raise ValueError(f"unknown draft mode {mode}")
         # The head's own linear layers packed for oneDNN on a CPU (a copy; the caller's head is left as it is); with
-        # `compile`, through eaglespec's bfloat16 kernel where it applies (eaglespec.bf16gemm).
-        # Where the kernels apply, the draft vocabulary's LM-head rows are an int8 copy by default
-        # (bf16gemm.Int8Linear: 8192 rows of SmolLM2's LM head 0.25 -> 0.17 ms a call; the drafts may differ a little,
-        # the accepted output cannot).
+        # `compile`, through eaglespec's bfloat16 kernel where it applies (eaglespec.bf16gemm), and there the draft
+        # vocabulary's LM-head rows through an int8 copy unless EAGLESPEC_DRAFT_INT8=0 (bf16gemm.Int8Linear: 8192
+        # rows of SmolLM2's LM head 0.25 -> 0.17 ms a call; the drafts may differ a little, the accepted output cannot).
         weight = next(head.parameters())
         kernel = compile and bf16gemm.available(weight.dtype, weight.device)
         self.int8 = kernel and bf16gemm.draft_int8()

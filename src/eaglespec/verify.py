@@ -70,13 +70,9 @@ class Verdict:
         return len(self.accepted) - 1
 
 
-def verify_greedy(tree: DraftTree, logits: Tensor) -> Verdict:
-    """Walk from the root, following the child equal to the target's argmax. `logits`: [N, V]."""
-    return walk_greedy(tree, bf16gemm.argmax_rows(logits).tolist())
-
-
 def walk_greedy(tree: DraftTree, best: list[int]) -> Verdict:
-    """`verify_greedy` given the target's greedy token at every node (`best` [N], e.g. `TargetOutput.greedy()`)."""
+    """Greedy verification: walk from the root, following the child equal to the target's greedy token at the node
+    (`best` [N]: `TargetOutput.greedy()`, the argmax of each row's logits)."""
     tokens = tree.token_list()
     kids = tree.children()
     node, path = 0, [0]
