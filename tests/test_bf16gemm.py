@@ -81,9 +81,9 @@ def test_leading_dimensions_and_empty_input():
 def test_mismatched_input_is_a_clear_error():
     linear = bf16gemm.Bf16Linear(torch.randn(64, 32).bfloat16())
     with pytest.raises(RuntimeError, match="does not match the packed weight"):
-        torch.ops.eaglespec.bf16_linear(torch.randn(2, 40).bfloat16(), linear.packed, 64, None)
+        torch.ops.eaglespec.bf16_linear(torch.randn(2, 40).bfloat16(), linear.packed, 64, None, 0)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        torch.ops.eaglespec.bf16_linear(torch.randn(2, 32), linear.packed, 64, None)
+        torch.ops.eaglespec.bf16_linear(torch.randn(2, 32), linear.packed, 64, None, 0)
 
 
 def test_inside_torch_compile():
@@ -97,6 +97,28 @@ def test_inside_torch_compile():
     compiled = torch.compile(block, dynamic=True)
     assert torch.equal(compiled(x), block(x))
     assert torch.equal(compiled(x[:2]), block(x[:2]))
+    scores = bf16gemm.Int8Linear(torch.randn(40, 64).bfloat16())  # the draft LM head's int8 product, in a graph too
+    hidden = block(x).float()
+    log_probs = torch.compile(lambda h: torch.log_softmax(scores(h), -1), dynamic=True)
+    torch.testing.assert_close(log_probs(hidden), torch.log_softmax(scores(hidden), -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", sorted(bf16gemm.VARIANTS))
+def test_inside_a_cpp_wrapper_graph_with_either_loop(variant):
+    """The kernel in a graph compiled with the decode graphs' settings (freezing, inductor's C++ wrapper), each
+    multiply loop. (SmolLM2's compiled decode stack once failed with the vdpbf16ps loop: the C++ wrapper left out a
+    variant argument equal to its schema default; the schema has no default now. This small graph did not show it.)"""
+    from eaglespec.compiled import compile_settings
+
+    torch.manual_seed(1)
+    up = bf16gemm.Bf16Linear(torch.randn(96, 64).bfloat16())
+    up.variant = bf16gemm.VARIANTS[variant]
+    x = torch.randn(3, 64).bfloat16()
+    expected = up(x)
+    torch._dynamo.reset()
+    with compile_settings(autotune=False), torch.inference_mode():
+        compiled = torch.compile(lambda h: up(h) * 2, dynamic=True)
+        assert torch.equal(compiled(x), expected * 2)
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,9 @@ with tempfile.TemporaryDirectory() as tmp:
                 "new": build("eaglespec_ab_new", new_texts, Path(tmp) / "new")}
 
 rows = [int(v) for v in args.rows.split(",")]
-extra = (args.variant,) if args.variant else ()  # (revisions before session 18 take no variant argument)
+# revisions before session 18 take no variant argument; from session 20 on it is required
+takes_variant = {name: any(a.name == "variant" for a in ops.bf16_linear.default._schema.arguments)
+                 for name, (ops, _) in versions.items()}
 torch.manual_seed(0)
 d, inter, qkv, vocab, layers = 576, 1536, 960, 49152, 30
 shapes = [(qkv, d), (d, d), (2 * inter, d), (d, inter)] * layers + [(vocab, d)]
@@ -80,6 +82,7 @@ for m in rows:
     for repeat in range(args.repeats + 2):
         for name, (ops, _) in versions.items():
             start = time.perf_counter()
+            extra = (args.variant,) if takes_variant[name] else ()
             ys = [ops.bf16_linear(xs[k], packed, n, None, *extra) for (n, k), packed in zip(shapes, packs[name])]
             if repeat >= 2:
                 times[name].append(1e3 * (time.perf_counter() - start))

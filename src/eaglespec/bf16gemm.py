@@ -88,7 +88,7 @@ def load() -> None:
                              "to run without it") from error
 
     @torch.library.register_fake("eaglespec::bf16_linear")
-    def _(x: Tensor, packed: Tensor, n: int, bias: Tensor | None, variant: int = 0) -> Tensor:
+    def _(x: Tensor, packed: Tensor, n: int, bias: Tensor | None, variant: int) -> Tensor:
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("eaglespec::int8_linear")

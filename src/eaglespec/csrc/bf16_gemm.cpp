@@ -225,7 +225,9 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
 
 TORCH_LIBRARY(eaglespec, m) {
   m.def("bf16_pack(Tensor weight) -> Tensor");
-  m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias, int variant=0) -> Tensor");
+  // (variant has no default: inductor's C++ wrapper leaves out arguments equal to their default, and its call through
+  // the dispatcher then fails; every caller passes it)
+  m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias, int variant) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {

@@ -16,11 +16,15 @@
 // T = max_n (a_n - e_n), every n with E_n >= E_m for all m has a_n + e_n >= T. So the token is the first index of
 // the largest E_n among the candidates {n : a_n + e_n >= T}: the argmax of E over the whole vocabulary, ties to the
 // lowest index, a function of the row alone (row-invariant), over a few to a few hundred candidates (SmolLM2-135M's
-// final hidden states: median 18; benchmarks/scripts/lm_head_screen_bound.py). E is not the bfloat16 kernel's logit
-// bit for bit (another summation order, and no rounding to bfloat16); greedy decoding, plain or speculative, uses
-// this one wherever it applies, so they agree token for token.
+// final hidden states: median 18, max 378; random tokens' flat logits leave thousands, which the threads share;
+// benchmarks/scripts/lm_head_screen_bound.py). E is not the bfloat16 kernel's logit bit for bit (another summation
+// order, and no rounding to bfloat16); greedy decoding, plain or speculative, uses this one wherever it applies, so
+// they agree token for token.
 //
 // A row whose input is not finite returns -1 (the caller computes the logits instead).
+//
+// int8_linear runs the same integer products without the bound: approximate logits a_n for the draft heads' LM head
+// (bf16gemm.Int8Linear), where an error can only cost acceptance.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -146,6 +150,23 @@ void screen(const Quantized* x, int64_t blocks, const uint8_t* packed, const flo
   }
 }
 
+// `screen` for 1-8 rows (a compile-time count).
+template <bool BOUND>
+void screen_rows(int rows, const Quantized* x, int64_t blocks, const uint8_t* packed, const float* scale,
+                 const float* b1, const float* b2, const float* l1, const float* sxsum, int64_t groups, int64_t n,
+                 int64_t n_pad, float* hi, float* lo) {
+  switch (rows) {
+    case 1: return screen<1, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 2: return screen<2, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 3: return screen<3, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 4: return screen<4, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 5: return screen<5, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 6: return screen<6, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 7: return screen<7, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    default: return screen<8, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+  }
+}
+
 // Quantizes row x [k] into xq [blocks * 32] (zero padded), sx, xsum; returns false if x is not finite. l1 = |x|_1
 // and sxsum = sum_b sx_b, both rounded up.
 bool quantize_row(const float* x, int64_t k, int64_t blocks, int8_t* xq, float* sx, int32_t* xsum, float* l1,
@@ -219,16 +240,7 @@ at::Tensor screened_argmax(const at::Tensor& x_in, const at::Tensor& packed, con
       for (int r = 0; r < rows; ++r) op[r0 + r] = -1;
       continue;
     }
-    switch (rows) {
-      case 1: screen<1>(q, blocks, pp, sp, b1p, b2p, l1, sxsum, groups, n, n_pad, hi, lo); break;
-      case 2: screen<2>(q, blocks, pp, sp, b1p, b2p, l1, sxsum, groups, n, n_pad, hi, lo); break;
-      case 3: screen<3>(q, blocks, pp, sp, b1p, b2p, l1, sxsum, groups, n, n_pad, hi, lo); break;
-      case 4: screen<4>(q, blocks, pp, sp, b1p, b2p, l1, sxsum, groups, n, n_pad, hi, lo); break;
-      case 5: screen<5>(q, blocks, pp, sp, b1p, b2p, l1, sxsum, groups, n, n_pad, hi, lo); break;
-      case 6: screen<6>(q, blocks, pp, sp, b1p, b2p, l1, sxsum, groups, n, n_pad, hi, lo); break;
-      case 7: screen<7>(q, blocks, pp, sp, b1p, b2p, l1, sxsum, groups, n, n_pad, hi, lo); break;
-      default: screen<8>(q, blocks, pp, sp, b1p, b2p, l1, sxsum, groups, n, n_pad, hi, lo); break;
-    }
+    screen_rows<true>(rows, q, blocks, pp, sp, b1p, b2p, l1, sxsum, groups, n, n_pad, hi, lo);
     for (int r = 0; r < rows; ++r) {
       // candidates: a + e >= T, in ascending n; then the first largest E wins
       const float* h = hi + r * n_pad;
@@ -303,16 +315,7 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
       if (!finite[r]) std::fill(sx.data() + r * blocks, sx.data() + (r + 1) * blocks, 0.0f);  // NaN after the call
     }
     float* out = yp + r0 * n;
-    switch (rows) {
-      case 1: screen<1, false>(q, blocks, pp, sp, bp, nullptr, nullptr, nullptr, groups, n, n_pad, out, nullptr); break;
-      case 2: screen<2, false>(q, blocks, pp, sp, bp, nullptr, nullptr, nullptr, groups, n, n_pad, out, nullptr); break;
-      case 3: screen<3, false>(q, blocks, pp, sp, bp, nullptr, nullptr, nullptr, groups, n, n_pad, out, nullptr); break;
-      case 4: screen<4, false>(q, blocks, pp, sp, bp, nullptr, nullptr, nullptr, groups, n, n_pad, out, nullptr); break;
-      case 5: screen<5, false>(q, blocks, pp, sp, bp, nullptr, nullptr, nullptr, groups, n, n_pad, out, nullptr); break;
-      case 6: screen<6, false>(q, blocks, pp, sp, bp, nullptr, nullptr, nullptr, groups, n, n_pad, out, nullptr); break;
-      case 7: screen<7, false>(q, blocks, pp, sp, bp, nullptr, nullptr, nullptr, groups, n, n_pad, out, nullptr); break;
-      default: screen<8, false>(q, blocks, pp, sp, bp, nullptr, nullptr, nullptr, groups, n, n_pad, out, nullptr); break;
-    }
+    screen_rows<false>(rows, q, blocks, pp, sp, bp, nullptr, nullptr, nullptr, groups, n, n_pad, out, nullptr);
     for (int r = 0; r < rows; ++r)
       if (!finite[r]) std::fill(out + r * n, out + (r + 1) * n, std::numeric_limits<float>::quiet_NaN());
   }
