@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import bf16gemm
 from .errors import EagleSpecError
 
 FEATURE_KINDS = ("final", "eagle3")
@@ -43,9 +44,7 @@ class TargetOutput:
         """The greedy (argmax) token of every row."""
         if self.greedy_tokens is not None:
             return self.greedy_tokens.tolist()
-        from .bf16gemm import argmax_rows
-
-        return argmax_rows(self.head_logits).tolist()
+        return bf16gemm.argmax_rows(self.head_logits).tolist()
 
 
 class TargetModel:
