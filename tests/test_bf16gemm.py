@@ -1,6 +1,7 @@
 """eaglespec's few-row bfloat16 kernel (eaglespec.bf16gemm): the float32-accumulated product rounded once, the same
 bits for a row whatever else is in the call, shapes that do not fill its tiles, and use inside torch.compile and
-by a compiled bfloat16 target. Skipped where the CPU lacks AVX-512 BF16 or no C++ compiler exists."""
+by a compiled bfloat16 target. They run on the build this CPU loads (AVX-512 BF16 or AVX2 + FMA,
+`bf16gemm.isa()`); skipped where the CPU has neither or no C++ compiler exists."""
 
 import pytest
 import torch
@@ -13,15 +14,18 @@ from conftest import make_model
 from test_fastpath import PROMPT, TREE
 
 pytestmark = [
-    pytest.mark.skipif(not bf16gemm.cpu_supported(), reason="this CPU has no AVX-512 BF16"),
+    pytest.mark.skipif(not bf16gemm.cpu_supported(), reason="this CPU has neither AVX-512 BF16 nor AVX2 + FMA"),
     pytest.mark.skipif(not bf16gemm.can_build(), reason="building the kernel needs a C++ compiler and ninja"),
 ]
 
 # (N, K, bias): model-like shapes, a partial last column group, odd input widths (padded to k-pairs), tiny ones
 SHAPES = [(960, 576, False), (576, 1536, True), (100, 577, True), (7, 3, False), (130, 64, True)]
+# the multiply loops of this CPU's build (the AVX2 build has the FMA loop only)
+LOOPS = sorted(bf16gemm.isa().variants) if bf16gemm.cpu_supported() else []
+LOOP = bf16gemm.VARIANTS[LOOPS[-1]] if LOOPS else 1  # a loop every build has (fma)
 
 
-@pytest.fixture(params=sorted(bf16gemm.VARIANTS))
+@pytest.fixture(params=LOOPS)
 def variant(request, monkeypatch):
     """Each multiply loop of the kernel (vdpbf16ps and float32 FMAs), forced through $EAGLESPEC_BF16_KERNEL."""
     monkeypatch.setenv(bf16gemm.VARIANT_ENV, request.param)
@@ -81,9 +85,9 @@ def test_leading_dimensions_and_empty_input():
 def test_mismatched_input_is_a_clear_error():
     linear = bf16gemm.Bf16Linear(torch.randn(64, 32).bfloat16())
     with pytest.raises(RuntimeError, match="does not match the packed weight"):
-        torch.ops.eaglespec.bf16_linear(torch.randn(2, 40).bfloat16(), linear.packed, 64, None, 0)
+        torch.ops.eaglespec.bf16_linear(torch.randn(2, 40).bfloat16(), linear.packed, 64, None, LOOP)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        torch.ops.eaglespec.bf16_linear(torch.randn(2, 32), linear.packed, 64, None, 0)
+        torch.ops.eaglespec.bf16_linear(torch.randn(2, 32), linear.packed, 64, None, LOOP)
 
 
 def test_inside_torch_compile():
@@ -103,7 +107,7 @@ def test_inside_torch_compile():
     torch.testing.assert_close(log_probs(hidden), torch.log_softmax(scores(hidden), -1), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", sorted(bf16gemm.VARIANTS))
+@pytest.mark.parametrize("variant", LOOPS)
 def test_inside_a_cpp_wrapper_graph_with_either_loop(variant):
     """The kernel in a graph compiled with the decode graphs' settings (freezing, inductor's C++ wrapper), each
     multiply loop. (SmolLM2's compiled decode stack once failed with the vdpbf16ps loop: the C++ wrapper left out a
@@ -150,6 +154,8 @@ def test_tree_calibration_is_kept_per_multiply_loop(model, monkeypatch):
     """`--tree auto` times verify passes: a target on the kernel is cached under the loop it runs."""
     from eaglespec import autotree
 
+    if len(LOOPS) < 2:
+        pytest.skip(f"the {bf16gemm.isa().name} build has one multiply loop")
     keys = {}
     for name in bf16gemm.VARIANTS:
         monkeypatch.setenv(bf16gemm.VARIANT_ENV, name)
@@ -221,6 +227,7 @@ def test_a_failed_build_is_a_clear_error(monkeypatch):
 def test_the_multiply_loop_is_measured_once_per_machine_and_cached(monkeypatch, tmp_path):
     """Without $EAGLESPEC_BF16_KERNEL the faster loop is measured, kept only if clearly faster, and read back from
     the cache on later runs (so a machine always gets the same bits)."""
+    monkeypatch.setattr(bf16gemm, "isa", lambda: bf16gemm.ISAS["avx512"])  # (a build with two loops)
     monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path))
     monkeypatch.delenv(bf16gemm.VARIANT_ENV, raising=False)
     bf16gemm.variant.cache_clear()
@@ -242,10 +249,37 @@ def test_the_multiply_loop_is_measured_once_per_machine_and_cached(monkeypatch, 
         bf16gemm.variant.cache_clear()
         assert bf16gemm.variant() == "dpbf16"  # within the margin: vdpbf16ps stays
 
-        times = bf16gemm._time_variants(1)  # the real measurement runs and times both loops
-        assert set(times) == set(bf16gemm.VARIANTS) and all(ms > 0 for ms in times.values())
     finally:
         bf16gemm.variant.cache_clear()
+    if len(LOOPS) == 2:
+        times = bf16gemm._time_variants(1)  # the real measurement runs and times both loops
+        assert set(times) == set(bf16gemm.VARIANTS) and all(ms > 0 for ms in times.values())
+
+
+def test_a_build_with_one_loop_uses_it_without_measuring(monkeypatch, tmp_path):
+    """The AVX2 build has the FMA loop only: chosen without a measurement or a cache file; forcing the other loop is
+    a clear error."""
+    monkeypatch.setattr(bf16gemm, "isa", lambda: bf16gemm.ISAS["avx2"])
+    monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv(bf16gemm.VARIANT_ENV, raising=False)
+
+    def never(threads):
+        raise AssertionError("measured with one loop to choose from")
+
+    monkeypatch.setattr(bf16gemm, "_time_variants", never)
+    bf16gemm.variant.cache_clear()
+    try:
+        assert bf16gemm.variant() == "fma" and not (tmp_path / "kernels").exists()
+        monkeypatch.setenv(bf16gemm.VARIANT_ENV, "dpbf16")
+        bf16gemm.variant.cache_clear()
+        with pytest.raises(EagleSpecError, match="avx2 build of the kernel has only the fma loop"):
+            bf16gemm.variant()
+    finally:
+        bf16gemm.variant.cache_clear()
+    if bf16gemm.isa().name == "avx2":
+        with pytest.raises(RuntimeError, match="only the float32 FMA loop"):
+            torch.ops.eaglespec.bf16_linear(torch.randn(2, 32).bfloat16(), torch.ops.eaglespec.bf16_pack(
+                torch.randn(64, 32).bfloat16()), 64, None, 0)
 
 
 def test_an_unknown_loop_name_is_a_clear_error(monkeypatch):

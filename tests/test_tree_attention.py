@@ -1,7 +1,8 @@
 """eaglespec's decode-step attention (csrc/tree_attention.cpp): torch's attention values over the tree's visible
 keys, the same bits for a tree row as for the one-token step over its path, clear errors; and a compiled bfloat16
 target whose verified tree rows give the bits of plain decoding's steps, so speculative decoding reproduces plain
-decoding token for token in bfloat16 too. Skipped where the CPU lacks AVX-512 BF16 or no C++ compiler exists."""
+decoding token for token in bfloat16 too. Run on the build this CPU loads (AVX-512 or AVX2, `bf16gemm.isa()`);
+skipped where it has neither or no C++ compiler exists."""
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from test_engine import PROMPTS, random_head
 from test_fastpath import PROMPT, TREE
 
 pytestmark = [
-    pytest.mark.skipif(not bf16gemm.cpu_supported(), reason="this CPU has no AVX-512 BF16"),
+    pytest.mark.skipif(not bf16gemm.cpu_supported(), reason="this CPU has neither AVX-512 BF16 nor AVX2 + FMA"),
     pytest.mark.skipif(not bf16gemm.can_build(), reason="building the kernels needs a C++ compiler and ninja"),
 ]
 
@@ -128,7 +129,7 @@ def test_commit_rows_moves_the_accepted_path_in_every_layer(dtype):
 
 @pytest.fixture(scope="module")
 def model():
-    # head_dim 16, GQA; bfloat16 as the default dtype on a CPU with AVX-512 BF16
+    # head_dim 16, GQA; bfloat16 as the default dtype on a CPU with AVX-512 BF16 (and with --compile on AVX2)
     return make_model("llama", layers=3).to(torch.bfloat16)
 
 

@@ -57,7 +57,8 @@ class Engine:
         """`tree`: "auto" (EAGLE-2 / chain: calibrated for this machine once, then cached), explicit
         `TreeSettings`, or None (the defaults). `draft_vocab` (EAGLE-1 heads): size of the drafting vocabulary
         subset, None = the head's default, 0 = the full vocabulary. `dtype` "auto": bfloat16 on a GPU or a CPU with
-        native bfloat16, float32 elsewhere. `fallback`: with tree="auto", decode without a draft when no tree is
+        native bfloat16 (and with `compile` on a CPU with AVX2, where eaglespec's kernels read bfloat16 weights),
+        float32 elsewhere. `fallback`: with tree="auto", decode without a draft when no tree is
         expected to beat plain decoding on this machine (the head is too weak for its cost here). `quantize`:
         "int8" / "int4" weight-only target on CPU (changes the model; output stays lossless w.r.t. it). `exact`:
         verify passes bit-identical to one-token steps in any dtype (each row attends as a one-token step does; fast
@@ -67,6 +68,7 @@ class Engine:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
         if method == "sps" and not draft_model:
             raise EagleSpecError("method 'sps' needs a smaller draft model sharing the tokenizer: pass --draft-model")
+        dtype = parse_dtype(dtype, device, compile)
         hf_model, tokenizer = load_target(model, dtype=dtype, device=device)
         self.notice = ""
         head_module = None

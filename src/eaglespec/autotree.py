@@ -315,6 +315,7 @@ def _target_key(target: TargetModel) -> str:
                      str(target.quantize), str(getattr(target, "pack", False)),
                      str(getattr(target, "row_invariant", False)), str(getattr(target, "compiled", False)),
                      bf16gemm.variant() if getattr(target, "bf16_gemm", False) else "-",
+                     bf16gemm.isa().name if getattr(target, "attention_kernel", False) else "-",
                      getattr(target.config, "_name_or_path", ""), str(target.num_layers), str(target.hidden_size),
                      machine_key()])
 

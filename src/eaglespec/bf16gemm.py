@@ -1,4 +1,5 @@
-"""eaglespec's own few-row bfloat16 products for CPUs with AVX-512 BF16 (csrc/bf16_gemm.cpp), used by `--compile`.
+"""eaglespec's own few-row bfloat16 products (csrc/bf16_gemm.cpp for CPUs with AVX-512 BF16, csrc/avx2/bf16_gemm.cpp
+for CPUs with AVX2 + FMA), used by `--compile`, and the other CPU kernels built with them (`ISAS` below).
 
 A decode step or a draft-tree verification multiplies 1-16 rows by each weight matrix. oneDNN's packed bfloat16
 products cost ~13 us a call and stream these shapes at 17-22 GB/s, and inductor's C++ GEMM kernels compute in
@@ -29,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,23 +38,60 @@ from torch import Tensor, nn
 
 from .errors import EagleSpecError
 
-# The bfloat16 products, the decode-step attention (csrc/tree_attention.cpp), the KV-cache commit of an accepted
-# path (csrc/commit_rows.cpp), the verified rows' argmax (csrc/argmax_rows.cpp), the draft's top-k
-# (csrc/topk_rows.cpp) and greedy decoding's screened LM head (csrc/screened_argmax.cpp), built as one extension.
-SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("bf16_gemm.cpp", "tree_attention.cpp", "commit_rows.cpp", "argmax_rows.cpp", "topk_rows.cpp",
-                        "screened_argmax.cpp")]
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
-         "-fopenmp"]
+CSRC = Path(__file__).parent / "csrc"
 
 
-def cpu_supported() -> bool:
-    """True on a CPU with AVX-512 BF16 and VNNI (the kernels' instruction sets; every CPU with the first has the
-    second)."""
+@dataclass(frozen=True)
+class Isa:
+    """One build of the kernels: the CPU flags it needs, its sources and compiler flags."""
+
+    name: str
+    cpu_flags: frozenset[str]
+    sources: tuple[Path, ...]
+    flags: tuple[str, ...]
+    variants: tuple[str, ...]  # the multiply loops of its bf16_linear (VARIANTS' names)
+
+
+# The bfloat16 products, the decode-step attention, the KV-cache commit of an accepted path (csrc/commit_rows.cpp,
+# plain C++ in both builds), the verified rows' argmax, the draft's top-k and greedy decoding's screened LM head,
+# built as one extension per instruction set; csrc/ops.cpp holds the operators' schemas and the weight packing both
+# builds share. AVX-512 (with BF16 and VNNI): csrc/*.cpp. AVX2 + FMA (most x86 CPUs of the last ten years, AMD Zen 1-3
+# and Intel's client cores among them): csrc/avx2/*.cpp, the same operators and layouts on 8-lane vectors; its
+# bfloat16 product is the FMA loop only (no bfloat16 dot-product instruction), with the same bits as the AVX-512
+# build's FMA loop, and the greedy screen multiplies bytes with vpmaddubsw instead of VNNI.
+ISAS = {
+    "avx512": Isa("avx512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}),
+                  tuple(CSRC / name for name in ("ops.cpp", "bf16_gemm.cpp", "tree_attention.cpp", "commit_rows.cpp",
+                                                 "argmax_rows.cpp", "topk_rows.cpp", "screened_argmax.cpp")),
+                  ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
+                   "-mfma", "-fopenmp"), ("dpbf16", "fma")),
+    "avx2": Isa("avx2", frozenset({"avx2", "fma", "f16c"}),
+                tuple([CSRC / "ops.cpp", CSRC / "commit_rows.cpp"]
+                      + [CSRC / "avx2" / name for name in ("bf16_gemm.cpp", "tree_attention.cpp", "argmax_rows.cpp",
+                                                           "topk_rows.cpp", "screened_argmax.cpp")]),
+                ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"), ("fma",)),
+}
+ISA_ENV = "EAGLESPEC_KERNEL_ISA"  # avx2 forces the AVX2 build on an AVX-512 CPU (to test or compare it)
+
+
+@functools.cache
+def isa() -> Isa | None:
+    """The kernels' build for this CPU: AVX-512 where it has AVX-512 BF16 and VNNI, else AVX2 + FMA, else None
+    ($EAGLESPEC_KERNEL_ISA=avx2 picks the AVX2 build where both would run)."""
     from .models import cpu_flags
 
     flags = cpu_flags()
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"} <= flags
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if forced and forced != "auto":
+        if forced not in ISAS:
+            raise EagleSpecError(f"{ISA_ENV}={forced!r} is not a kernel build; use auto, {', '.join(ISAS)}")
+        return ISAS[forced] if ISAS[forced].cpu_flags <= flags else None
+    return next((build for build in ISAS.values() if build.cpu_flags <= flags), None)
+
+
+def cpu_supported() -> bool:
+    """True on a CPU one of the kernels' builds runs on (AVX-512 BF16 + VNNI, or AVX2 + FMA)."""
+    return isa() is not None
 
 
 def can_build() -> bool:
@@ -65,7 +104,7 @@ def can_build() -> bool:
 
 
 def available(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """True where `--compile` uses this kernel: bfloat16 weights on a CPU with AVX-512 BF16, and `can_build`
+    """True where `--compile` uses this kernel: bfloat16 weights on a CPU with AVX-512 BF16 or AVX2, and `can_build`
     (set EAGLESPEC_BF16_GEMM=0 to use oneDNN / inductor's products instead)."""
     return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and cpu_supported() and can_build()
             and os.environ.get("EAGLESPEC_BF16_GEMM", "1") != "0")
@@ -77,11 +116,14 @@ def load() -> None:
     commit_rows and argmax_rows."""
     from torch.utils.cpp_extension import load as build
 
-    if not cpu_supported():
-        raise EagleSpecError("eaglespec's bfloat16 kernel needs a CPU with AVX-512 BF16")
-    print("eaglespec: loading its bfloat16 kernel (built on first use, ~10-30 s)", file=sys.stderr, flush=True)
+    build_isa = isa()
+    if build_isa is None:
+        raise EagleSpecError("eaglespec's bfloat16 kernel needs a CPU with AVX-512 BF16 or AVX2 + FMA")
+    print(f"eaglespec: loading its bfloat16 kernel ({build_isa.name}; built on first use, ~10-30 s)", file=sys.stderr,
+          flush=True)
+    name = "eaglespec_kernels" if build_isa.name == "avx512" else f"eaglespec_kernels_{build_isa.name}"
     try:
-        build("eaglespec_kernels", [str(source) for source in SOURCES], extra_cflags=FLAGS,
+        build(name, [str(source) for source in build_isa.sources], extra_cflags=list(build_isa.flags),
               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except (RuntimeError, OSError) as error:
         raise EagleSpecError(f"could not build eaglespec's bfloat16 kernel ({error}); set EAGLESPEC_BF16_GEMM=0 "
@@ -134,14 +176,22 @@ def _time_variants(threads: int) -> dict[str, float]:
 def variant() -> str:
     """The multiply loop for this machine: $EAGLESPEC_BF16_KERNEL (dpbf16 or fma) if set, else measured once per CPU
     model and instruction set (~50 ms, with this process's threads) and cached under ~/.cache/eaglespec/kernels, so
-    that every run on a machine uses the same loop (the two give different bits; each is row-invariant)."""
+    that every run on a machine uses the same loop (the two give different bits; each is row-invariant). The AVX2
+    build has the FMA loop only."""
     from .models import cache_root, cpu_flags, cpu_model
 
+    build = isa()
+    loops = build.variants if build is not None else tuple(VARIANTS)
     forced = os.environ.get(VARIANT_ENV, "").strip().lower()
     if forced and forced != "auto":
         if forced not in VARIANTS:
             raise EagleSpecError(f"{VARIANT_ENV}={forced!r} is not a kernel variant; use auto, dpbf16 or fma")
+        if forced not in loops:
+            raise EagleSpecError(f"{VARIANT_ENV}={forced}: the {build.name} build of the kernel has only the "
+                                 f"{' and '.join(loops)} loop; unset it or use auto")
         return forced
+    if len(loops) == 1:
+        return loops[0]
     load()
     threads = torch.get_num_threads()
     machine = f"{cpu_model()}|{' '.join(sorted(cpu_flags()))}|{_source_digest()}"
@@ -167,7 +217,9 @@ def variant() -> str:
 
 
 def _source_digest() -> str:
-    return hashlib.sha1(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:12]
+    build = isa()
+    sources = build.sources if build is not None else ()
+    return hashlib.sha1(b"".join(source.read_bytes() for source in sources)).hexdigest()[:12]
 
 
 def loaded() -> bool:

@@ -112,10 +112,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     tree = tree_from_args(args)
     head, head3 = _head_dirs(args)
 
-    model, tokenizer = load_target(args.model, dtype=args.dtype)
-    draft = load_target(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
+    dtype = parse_dtype(args.dtype, compile=args.compile)
+    model, tokenizer = load_target(args.model, dtype=dtype)
+    draft = load_target(args.draft_model, dtype=dtype)[0] if args.draft_model else None
     ctx = MethodContext(model=model, tokenizer=tokenizer, model_name=args.model, tree=tree, head_dir=head,
-                        head3_dir=head3, draft_model=draft, dtype=parse_dtype(args.dtype),
+                        head3_dir=head3, draft_model=draft, dtype=dtype,
                         threads=torch.get_num_threads(), eos_ids=eos_ids_of(model, tokenizer),
                         backend=getattr(args, "backend", "auto"), draft_vocab=args.draft_vocab,
                         quantize=None if args.quantize == "none" else args.quantize, exact=args.exact,
@@ -142,7 +143,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dataset=args.dataset, max_new_tokens=args.max_new_tokens,
         sampling=Sampling(args.temperature, args.top_p, args.top_k, args.seed), repeats=args.repeats,
         warmup=args.warmup, system=args.system,
-        settings={"model": args.model, "dtype": str(parse_dtype(args.dtype)).removeprefix("torch."),
+        settings={"model": args.model, "dtype": str(dtype).removeprefix("torch."),
                   "threads": torch.get_num_threads(),
                   "backend": getattr(args, "backend", "auto"), "quantize": args.quantize, "exact": args.exact,
                   "compile": args.compile,

@@ -82,10 +82,6 @@ at::Tensor argmax_rows(const at::Tensor& logits_in) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(eaglespec, m) {
-  m.def("argmax_rows(Tensor logits) -> Tensor");
-}
-
 TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
   m.impl("argmax_rows", argmax_rows);
 }

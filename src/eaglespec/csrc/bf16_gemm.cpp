@@ -37,16 +37,6 @@ constexpr int64_t kAhead = kBlock * kGroup * 2;  // software prefetch distance i
 // a step took 10-14% less for 1-16 rows than with the near prefetch alone (kernel_ab.py --variant 1, session 18).
 constexpr int64_t kFarAhead = 4 * kAhead;
 
-// [N, K] bfloat16 -> [ceil(N/64), ceil(K/2), 64, 2] bfloat16, zero padded.
-at::Tensor bf16_pack(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "bf16_pack: weight must be [N, K] bfloat16");
-  const int64_t n = weight.size(0), k = weight.size(1);
-  const int64_t n_pad = (n + kGroup - 1) / kGroup * kGroup, k_pad = (k + 1) / 2 * 2;
-  at::Tensor padded = at::zeros({n_pad, k_pad}, weight.options());
-  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
-  return padded.view({n_pad / kGroup, kGroup, k_pad / 2, 2}).permute({0, 2, 1, 3}).contiguous();
-}
-
 // Rows [0, ROWS) of x (row stride ldx) times k-pairs [p0, p1) of one packed group, accumulated into acc (float32
 // [ROWS][64], in memory between calls; zeroed first when p0 == 0). Exact: a float32 store and load change nothing,
 // so splitting the k range into blocks gives the same sums as one pass.
@@ -223,14 +213,6 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
 
 }  // namespace
 
-TORCH_LIBRARY(eaglespec, m) {
-  m.def("bf16_pack(Tensor weight) -> Tensor");
-  // (variant has no default: inductor's C++ wrapper leaves out arguments equal to their default, and its call through
-  // the dispatcher then fails; every caller passes it)
-  m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias, int variant) -> Tensor");
-}
-
 TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
-  m.impl("bf16_pack", bf16_pack);
   m.impl("bf16_linear", bf16_linear);
 }

@@ -70,10 +70,6 @@ void commit_rows(at::TensorList keys_t, at::TensorList values, int64_t c, at::In
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(eaglespec, m) {
-  m.def("commit_rows(Tensor(a!)[] keys_t, Tensor(b!)[] values, int c, int[] rows) -> ()");
-}
-
 TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
   m.impl("commit_rows", commit_rows);
 }

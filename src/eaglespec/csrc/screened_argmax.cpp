@@ -324,11 +324,6 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(eaglespec, m) {
-  m.def("screened_argmax(Tensor x, Tensor packed, Tensor scale, Tensor b1, Tensor b2, Tensor weight) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, int n, Tensor? bias) -> Tensor");
-}
-
 TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
   m.impl("screened_argmax", screened_argmax);
   m.impl("int8_linear", int8_linear);

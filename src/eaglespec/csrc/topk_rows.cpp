@@ -77,10 +77,6 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& scores_in, int64_
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(eaglespec, m) {
-  m.def("topk_rows(Tensor scores, int k) -> (Tensor, Tensor)");
-}
-
 TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
   m.impl("topk_rows", topk_rows);
 }

@@ -271,10 +271,6 @@ at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& keys_t, cons
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(eaglespec, m) {
-  m.def("tree_attention(Tensor q, Tensor keys_t, Tensor values, Tensor? step_mask) -> Tensor");
-}
-
 TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
   m.impl("tree_attention", tree_attention);
 }
