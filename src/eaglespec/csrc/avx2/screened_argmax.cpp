@@ -15,11 +15,17 @@
 // ones adds the pairs into the int32 lane of their column. The block sums are sum_k xq_k q_nk directly (no
 // "- 128 sum xq" correction), the same integers as the AVX-512 build's, so a_n and e_n are the same bits too.
 //
-// Registers: a 64-byte packed unit (16 columns x 4 consecutive channels) is two 256-bit halves of 8 columns each.
-// With 16 ymm registers a pass multiplies one group's weights by 2 input rows (the halves' q and |q|, ones, the
-// rows' int32 block sums and float32 accumulators); more rows of a call take further passes over the same group,
-// whose bytes (K32 * 16, 9 KB for K = 576) are then in L1. E_n's 16 lanes of ordered FMAs are two registers of 8,
-// reduced in the order GCC's _mm512_reduce_add_ps uses, so E is the AVX-512 build's too (with GCC).
+// Registers: a 64-byte packed unit (16 columns x 4 consecutive channels) is two 256-bit halves of 8 columns each,
+// and 4 channels of an input row are one 32-bit value broadcast to every lane, so the int32 lanes line up with the
+// columns. A row costs 8 instructions a unit (vpsignb, vpmaddubsw, vpmaddwd, vpaddd per half) and the unit 4
+// shared ones (vpxor, vpabsb per half), so a pass over a group's weights takes 4 input rows: their 8 int32 block
+// sums, the halves' q and |q|, ones and the broadcast x fill the 16 ymm registers (the float32 accumulators, touched
+// once a block, live in memory). More rows of a call take another pass over the same group, whose bytes
+// (K32 * 16, 9 KB for K = 576) are then in L1. (On Zen 3, one core, weights in L2: ~1.3 ns a row and unit for 1
+// row a pass, ~1.15 for 2, ~1.07 for 4.)
+//
+// E_n's 16 lanes of ordered FMAs are two registers of 8, reduced in the order GCC's _mm512_reduce_add_ps uses, so
+// E is the AVX-512 build's too (with GCC).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -38,7 +44,7 @@ namespace {
 
 constexpr int64_t kLanes = 16;  // output columns per packed group
 constexpr int64_t kRows = 8;    // input rows per screen call (scratch rows)
-constexpr int kPass = 2;        // input rows multiplied per read of a group's weights (registers)
+constexpr int kPass = 4;        // input rows multiplied per read of a group's weights (registers)
 constexpr int64_t kBlock = 32;  // input channels per quantization block of x
 constexpr int64_t kSteps = kBlock / 4;  // 64-byte units (4 channels each) per block
 constexpr int64_t kSerialCandidates = 256;  // exact scores one thread computes before the work is shared
@@ -82,8 +88,9 @@ struct Quantized {
 
 // acc[r][0:16] = sum_b sx_b sum_{k in b} xq_k q_nk for P rows and the 16 columns n of one packed group w
 // ([K32/4, 16, 4] bytes q + 128): per block, int32 sums (exact in any order), then one float32 FMA by the block's
-// scale (a fixed order: a_n is the same for a row in any call).
-template <int P>
+// scale (a fixed order: a_n is the same for a row in any call). PREFETCH (the first pass over the group): fetch the
+// weights kAhead bytes ahead.
+template <int P, bool PREFETCH>
 inline void group_dots(const Quantized* x, int64_t blocks, const uint8_t* w, float (*acc_out)[kLanes]) {
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   __m256 acc[P][2];
@@ -95,7 +102,7 @@ inline void group_dots(const Quantized* x, int64_t blocks, const uint8_t* w, flo
     for (int r = 0; r < P; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int64_t s = 0; s < kSteps; ++s) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + s * 64), _MM_HINT_T0);
+      if constexpr (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + s * 64), _MM_HINT_T0);
       __m256i q[2], magnitude[2];
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {  // columns 8h .. 8h + 7, 4 channels each
@@ -111,6 +118,7 @@ inline void group_dots(const Quantized* x, int64_t blocks, const uint8_t* w, flo
         for (int h = 0; h < 2; ++h) {
           const __m256i pairs = _mm256_maddubs_epi16(magnitude[h], _mm256_sign_epi8(xv, q[h]));  // |.| <= 32258
           sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_madd_epi16(pairs, ones));
+          __asm__("" : "+x"(sum[r][h]));  // (one chain a register: GCC would otherwise spill a tree of sums)
         }
       }
     }
@@ -130,13 +138,13 @@ inline void group_dots(const Quantized* x, int64_t blocks, const uint8_t* w, flo
 }
 
 // group_dots for R rows, kPass at a time (the later passes read the group from L1).
-template <int R>
+template <int R, bool FIRST = true>
 inline void group_rows(const Quantized* x, int64_t blocks, const uint8_t* w, float (*acc)[kLanes]) {
   if constexpr (R > kPass) {
-    group_dots<kPass>(x, blocks, w, acc);
-    group_rows<R - kPass>(x + kPass, blocks, w, acc + kPass);
+    group_dots<kPass, FIRST>(x, blocks, w, acc);
+    group_rows<R - kPass, false>(x + kPass, blocks, w, acc + kPass);
   } else if constexpr (R > 0) {
-    group_dots<R>(x, blocks, w, acc);
+    group_dots<R, FIRST>(x, blocks, w, acc);
   }
 }
 
@@ -149,7 +157,8 @@ void screen_groups(const Quantized* x, int64_t blocks, const uint8_t* packed, co
                    const float* b2, const float* l1, const float* sxsum, int64_t g0, int64_t g1, int64_t n,
                    int64_t n_pad, float* hi, float* lo) {
   const int64_t group_bytes = blocks * kBlock * kLanes;
-  const __m256i lane0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), lane8 = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
+  const __m256i lane0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i lane8 = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
   const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256 low[R];
   for (int r = 0; r < R; ++r) low[r] = minus_inf;
@@ -300,9 +309,9 @@ at::Tensor screened_argmax(const at::Tensor& x_in, const at::Tensor& packed, con
       const __m256 t = _mm256_set1_ps(lo[r]);
       candidates.clear();
       for (int64_t i = 0; i < n; i += kLanes) {
-        unsigned pass = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(h + i), t, _CMP_GE_OQ))) |
-                        static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(h + i + 8), t, _CMP_GE_OQ)))
-                            << 8;
+        const int low = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(h + i), t, _CMP_GE_OQ));
+        const int high = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(h + i + 8), t, _CMP_GE_OQ));
+        unsigned pass = static_cast<unsigned>(low) | static_cast<unsigned>(high) << 8;
         if (n - i < kLanes) pass &= (1u << (n - i)) - 1;  // (the padding columns are no tokens)
         for (; pass; pass &= pass - 1) candidates.push_back(i + __builtin_ctz(pass));
       }

@@ -30,7 +30,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
@@ -41,8 +40,8 @@ constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxPairs = 4;  // (head, row) pairs sharing each key and value load
 
 // Blocks of 8 keys scored together, and chunks of 8 head_dim elements weighed together, for P pairs: P x blocks
-// (P x chunks) accumulators, plus the loaded keys (values) and a broadcast, within 16 ymm registers, and at least 8
-// independent FMA chains where there are enough (2 FMA pipes of 4 cycles' latency).
+// (P x chunks) accumulators, P broadcasts and one loaded vector fit the 16 ymm registers (at most 13, no spills),
+// with 8 or more independent FMA chains (2 FMA pipes of 4 cycles' latency).
 constexpr int score_blocks(int pairs) { return pairs == 1 ? 8 : pairs == 2 ? 4 : pairs == 3 ? 3 : 2; }
 constexpr int weigh_chunks(int pairs) { return pairs == 1 ? 8 : pairs == 2 ? 4 : pairs == 3 ? 3 : 2; }
 
@@ -65,7 +64,7 @@ inline __m256 exp_ps(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// Lanes [0, count) set (count clamped to [0, 8]): the integer mask of maskload / maskstore.
+// Lanes [0, count) set (count clamped to [0, 8]): the mask of a masked load or a blend.
 inline __m256i lanes_below(int64_t count) {
   const int32_t k = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(count, 0), kLanes));
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -77,24 +76,37 @@ inline __m256 load8(const at::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
-// The first `count` (< 8) of them, the other lanes zero, reading nothing past them (the last key of a cache view
-// may end its allocation): float32 through a masked load, bfloat16 (no 16-bit masked load in AVX2) through a
-// zero-padded copy.
-inline __m256 load8_part(const float* p, int64_t, __m256i mask) { return _mm256_maskload_ps(p, mask); }
-inline __m256 load8_part(const at::BFloat16* p, int64_t count, __m256i) {
-  alignas(16) at::BFloat16 buf[kLanes];
-  std::memset(buf, 0, sizeof(buf));
-  std::memcpy(buf, p, count * sizeof(at::BFloat16));
-  return load8(buf);
+// The first `count` (0 < count < 8) of them, the other lanes zero, reading nothing past them (the last key of a
+// cache view may end its allocation). AVX2 has no 16-bit masked load: bfloat16 loads its whole 32-bit pairs masked,
+// then puts an odd last value in its lane.
+struct Part {
+  __m256i lanes;  // lanes [0, count)
+  __m128i pairs;  // bfloat16: 32-bit pairs [0, count / 2)
+  __m256i last;   // bfloat16: lane count - 1 where count is odd, else none
+  int64_t count;
+  explicit Part(int64_t n)
+      : lanes(lanes_below(n)),
+        pairs(_mm_cmpgt_epi32(_mm_set1_epi32(static_cast<int32_t>(n / 2)), _mm_setr_epi32(0, 1, 2, 3))),
+        last(_mm256_cmpeq_epi32(_mm256_set1_epi32(n % 2 ? static_cast<int32_t>(n - 1) : -1),
+                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))),
+        count(n) {}
+};
+inline __m256 load8(const float* p, const Part& part) { return _mm256_maskload_ps(p, part.lanes); }
+inline __m256 load8(const at::BFloat16* p, const Part& part) {
+  const __m128i raw = _mm_maskload_epi32(reinterpret_cast<const int*>(p), part.pairs);
+  const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16);
+  const uint16_t odd = part.count % 2 ? reinterpret_cast<const uint16_t*>(p)[part.count - 1] : 0;
+  const __m256i last = _mm256_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(odd) << 16));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(wide, last, part.last));
 }
 
 // Raw scores (before scale) of P pairs against the keys [j0, j0 + B * 8), or against [j0, j0 + count) (count < 8,
-// B = 1) if Part: raw[p * stride + j], whole vectors stored (the scratch rows are padded; lanes past the keys are
+// B = 1) if Tail: raw[p * stride + j], whole vectors stored (the scratch rows are padded; lanes past the keys are
 // never read). kt: [hd, ...] transposed keys of one key/value head (row stride kt_row); qs[p]: the pair's query [hd].
-template <int P, int B, bool Part, typename T>
+template <int P, int B, bool Tail, typename T>
 inline void score_block(const float* const* qs, const T* kt, int64_t kt_row, int64_t hd, int64_t j0, int64_t count,
                         float* raw, int64_t stride) {
-  const __m256i mask = lanes_below(count);
+  const Part part(count);  // (Tail only)
   __m256 acc[P][B];
 #pragma GCC unroll 8
   for (int p = 0; p < P; ++p)
@@ -102,14 +114,14 @@ inline void score_block(const float* const* qs, const T* kt, int64_t kt_row, int
     for (int b = 0; b < B; ++b) acc[p][b] = _mm256_setzero_ps();
   for (int64_t d = 0; d < hd; ++d) {
     const T* row = kt + d * kt_row + j0;
-    __m256 kv[B];
+    __m256 qd[P];  // (P broadcasts, then one key vector at a time: P x B + P + 1 registers)
 #pragma GCC unroll 8
-    for (int b = 0; b < B; ++b) kv[b] = Part ? load8_part(row, count, mask) : load8(row + b * kLanes);
+    for (int p = 0; p < P; ++p) qd[p] = _mm256_set1_ps(qs[p][d]);
 #pragma GCC unroll 8
-    for (int p = 0; p < P; ++p) {
-      const __m256 qd = _mm256_set1_ps(qs[p][d]);
+    for (int b = 0; b < B; ++b) {
+      const __m256 kv = Tail ? load8(row, part) : load8(row + b * kLanes);
 #pragma GCC unroll 8
-      for (int b = 0; b < B; ++b) acc[p][b] = _mm256_fmadd_ps(qd, kv[b], acc[p][b]);
+      for (int p = 0; p < P; ++p) acc[p][b] = _mm256_fmadd_ps(qd[p], kv, acc[p][b]);
     }
   }
 #pragma GCC unroll 8
@@ -133,29 +145,32 @@ void score_keys(const float* const* qs, const T* kt, int64_t kt_row, int64_t hd,
 // Softmax of one pair's scores in logical order, in place: scores[0 .. count) -> p_j; returns 1 / sum. The sum is
 // the AVX-512 build's: a 16-lane accumulator (here lo: lanes 0-7, hi: lanes 8-15) over keys j = l mod 16, then
 // _mm512_reduce_add_ps's order (GCC's: hi + lo, upper + lower 4, lanes {0,1} + {2,3}, lane 0 + lane 1).
+// scores has room for 16 floats past count: whole vectors are loaded and stored (masked stores are slow on AMD's
+// cores), and the lanes past count are left out of the max and the sum.
 float softmax(float* scores, int64_t count, float scale) {
   const __m256 scale_v = _mm256_set1_ps(scale), lowest = _mm256_set1_ps(-INFINITY);
   __m256 best = lowest;
   for (int64_t j = 0; j < count; j += kLanes) {
-    const __m256i m = lanes_below(count - j);
-    const __m256 s = _mm256_mul_ps(_mm256_maskload_ps(scores + j, m), scale_v);
-    _mm256_maskstore_ps(scores + j, m, s);
-    best = _mm256_max_ps(best, _mm256_blendv_ps(lowest, s, _mm256_castsi256_ps(m)));
+    const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(scores + j), scale_v);
+    _mm256_storeu_ps(scores + j, s);
+    best = _mm256_max_ps(best, _mm256_blendv_ps(lowest, s, _mm256_castsi256_ps(lanes_below(count - j))));
   }
   __m128 b4 = _mm_max_ps(_mm256_extractf128_ps(best, 1), _mm256_castps256_ps128(best));
   b4 = _mm_max_ps(b4, _mm_movehl_ps(b4, b4));
   b4 = _mm_max_ss(b4, _mm_movehdup_ps(b4));
   const __m256 top = _mm256_set1_ps(_mm_cvtss_f32(b4));
-  __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // lanes 0-7 and 8-15 of the 16-lane accumulator
-  for (int64_t j = 0; j < count; j += kLanes) {
-    const __m256i m = lanes_below(count - j);
-    const __m256 p = _mm256_and_ps(exp_ps(_mm256_sub_ps(_mm256_maskload_ps(scores + j, m), top)),
-                                   _mm256_castsi256_ps(m));
-    _mm256_maskstore_ps(scores + j, m, p);
-    const int half = static_cast<int>((j / kLanes) & 1);
-    sum[half] = _mm256_add_ps(sum[half], p);
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // lanes 0-7 and 8-15 of the 16-lane accumulator
+  for (int64_t j = 0; j < count; j += 2 * kLanes) {  // (lanes past count: p = 0 added, no change)
+    const __m256 m_lo = _mm256_castsi256_ps(lanes_below(count - j));
+    const __m256 m_hi = _mm256_castsi256_ps(lanes_below(count - j - kLanes));
+    const __m256 p_lo = _mm256_and_ps(exp_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + j), top)), m_lo);
+    const __m256 p_hi = _mm256_and_ps(exp_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + j + kLanes), top)), m_hi);
+    _mm256_storeu_ps(scores + j, p_lo);
+    _mm256_storeu_ps(scores + j + kLanes, p_hi);
+    lo = _mm256_add_ps(lo, p_lo);
+    hi = _mm256_add_ps(hi, p_hi);
   }
-  const __m256 t3 = _mm256_add_ps(sum[1], sum[0]);
+  const __m256 t3 = _mm256_add_ps(hi, lo);
   const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
   const __m128 t8 = _mm_add_ps(t6, _mm_movehl_ps(t6, t6));  // lanes 0, 1: t6[0] + t6[2], t6[1] + t6[3]
   return 1.0f / _mm_cvtss_f32(_mm_add_ss(t8, _mm_movehdup_ps(t8)));
@@ -172,14 +187,14 @@ void weigh_pass(const float* const* probs, const T* v, int64_t v_row, int64_t i0
     for (int i = 0; i < C; ++i) acc[p][i] = _mm256_setzero_ps();
   for (int64_t j = 0; j < c; ++j) {
     const T* row = v + j * v_row + i0 * kLanes;
-    __m256 vv[C];
+    __m256 pj[P];  // (P broadcasts, then one value vector at a time: P x C + P + 1 registers)
 #pragma GCC unroll 8
-    for (int i = 0; i < C; ++i) vv[i] = load8(row + i * kLanes);
+    for (int p = 0; p < P; ++p) pj[p] = _mm256_set1_ps(probs[p][j]);
 #pragma GCC unroll 8
-    for (int p = 0; p < P; ++p) {
-      const __m256 pj = _mm256_set1_ps(probs[p][j]);
+    for (int i = 0; i < C; ++i) {
+      const __m256 vv = load8(row + i * kLanes);
 #pragma GCC unroll 8
-      for (int i = 0; i < C; ++i) acc[p][i] = _mm256_fmadd_ps(pj, vv[i], acc[p][i]);
+      for (int p = 0; p < P; ++p) acc[p][i] = _mm256_fmadd_ps(pj[p], vv, acc[p][i]);
     }
   }
 #pragma GCC unroll 4
@@ -223,7 +238,7 @@ template <int P, typename T>
 void attend_pairs(const int64_t* hs, const int64_t* rs, const float* q, int64_t n, int64_t hd, const T* kt,
                   int64_t kt_row, const T* v, int64_t v_row, int64_t c, const std::vector<std::vector<int64_t>>& paths,
                   float scale, std::vector<float>& scratch, float* out) {
-  const int64_t total = c + n, stride = total + kLanes;  // (padding: score_block stores whole vectors)
+  const int64_t total = c + n, stride = total + 2 * kLanes;  // (padding: whole vectors stored past the keys)
   scratch.resize(P * stride * 2);
   float* raw = scratch.data();            // [P][stride]: scores of every column
   float* logical = raw + P * stride;      // [P][stride]: the pair's visible keys in logical order
