@@ -357,3 +357,22 @@ def test_every_method_counts_tokens_up_to_and_including_eos(tmp_path):
     for m in build_methods(["pld", "hf", "hf-pld"], ctx):
         out = m.generate(ids, 10, Sampling())
         assert out.tokens == free[: cut + 1], m.name
+
+
+def test_transformers_peers_run_float32_where_bfloat16_is_emulated(monkeypatch):
+    """On a CPU without native bfloat16 a bfloat16 bench (e.g. --compile on AVX2) times transformers on a float32
+    copy (its fastest dtype there), leaving our model as it is; with native bfloat16, or in float32, the same model."""
+    from eaglespec import models
+    from eaglespec.bench.methods import HFMethod, peer_model
+
+    model = make_model("llama").to(torch.bfloat16)
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
+    copy = peer_model(model)
+    assert copy is not model and next(copy.parameters()).dtype == torch.float32
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert HFMethod("hf", copy, [0]).settings["dtype"] == "float32"
+    assert peer_model(None) is None
+    float_model = make_model("llama")
+    assert peer_model(float_model) is float_model
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
+    assert peer_model(model) is model

@@ -12,6 +12,7 @@ whole call (prefill included, tokenisation excluded).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import time
 from dataclasses import dataclass, field
@@ -117,6 +118,7 @@ class HFMethod(BenchMethod):
             if draft_model is None:
                 raise EagleSpecError("method 'hf-assisted' needs a draft model: pass --draft-model")
             settings["assistant"] = getattr(draft_model.config, "_name_or_path", "") or "draft model"
+        settings["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
         super().__init__(method, method, "peer", settings)
         self.model, self.draft_model, self.eos_ids = model, draft_model, sorted(eos_ids)
 
@@ -276,6 +278,21 @@ def _load_head(folder: Path, dtype: torch.dtype, draft_vocab: int | None = None)
     return load_head(folder, dtype=dtype, draft_vocab=draft_vocab)
 
 
+def peer_model(model):
+    """The model transformers' peers run: the bench's own, or a float32 copy where it is bfloat16 / float16 on a CPU
+    without native bfloat16 arithmetic (there transformers computes in emulated half precision, several times slower
+    than in float32, which would flatter the comparison; eaglespec's own kernels read bfloat16 there and multiply in
+    float32). None passes through."""
+    from ..models import cpu_has_native_bf16
+
+    if model is None:
+        return None
+    parameter = next(model.parameters())
+    if parameter.device.type == "cpu" and parameter.dtype in (torch.bfloat16, torch.float16) and not cpu_has_native_bf16():
+        return copy.deepcopy(model).float()
+    return model
+
+
 def build_methods(names: list[str], ctx: MethodContext, sweep: tuple[str, list[int]] | None = None) -> list[BenchMethod]:
     """Method objects for `names` (vanilla is always included, first: it is the speedup denominator and the
     reference output). A swept tree setting turns each method it affects into one variant per value."""
@@ -288,12 +305,14 @@ def build_methods(names: list[str], ctx: MethodContext, sweep: tuple[str, list[i
             raise EagleSpecError(f"method '{n}' cannot run: {reason}")
     heads: dict[str, object] = {}
     methods: list[BenchMethod] = []
+    peer_models = None  # (model, draft model) for transformers' peers, made once
     for name in names:
         if name in PEER_METHODS:
             if name == "llamacpp":
                 methods.append(LlamaCppMethod(_gguf_of(ctx.model_name), ctx.threads, ctx.eos_ids))
             else:
-                methods.append(HFMethod(name, ctx.model, ctx.eos_ids, ctx.draft_model))
+                peer_models = peer_models or (peer_model(ctx.model), peer_model(ctx.draft_model))
+                methods.append(HFMethod(name, peer_models[0], ctx.eos_ids, peer_models[1]))
             continue
         head = None
         if name in ("eagle2", "eagle1", "chain", "eagle3"):

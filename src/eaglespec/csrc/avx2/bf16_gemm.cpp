@@ -10,10 +10,10 @@
 // rounded after every FMA and once to bfloat16 at the end: the same bits as the AVX-512 build's FMA loop, for a row
 // in any call whatever the number of rows (row-invariant).
 //
-// Register tiles for 16 ymm registers: one row takes a group's 64 columns at once (8 accumulators); calls of 2 or
-// more rows run tiles of up to 2 rows x 32 columns (8 accumulators, 4 weight vectors, a broadcast) that take turns
-// over blocks of 32 k-pairs of a group (8 KB, in L1 after the first tile reads it), so the weights stream from
-// memory once per call. Threads: at::parallel_for over column groups (torch's intra-op pool, i.e. --threads).
+// Register tiles for 16 ymm registers: one row takes a group's 64 columns at once (8 accumulators); two rows run two
+// tiles of 2 rows x 32 columns that take turns over blocks of 32 k-pairs of a group (8 KB, in L1 after the first
+// tile reads it); three or more widen each block to float32 once and run tiles of up to 6 rows x 16 columns over it
+// (widened_part). Either way the weights stream from memory once per call. Threads: at::parallel_for over column groups (torch's intra-op pool, i.e. --threads).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,7 +30,7 @@ namespace {
 
 constexpr int64_t kGroup = 64;    // output columns per packed group: 8 vectors of 8 float32 lanes
 constexpr int64_t kLanes = 8;
-constexpr int64_t kMaxRows = 2;   // rows per tile of several-row calls (x 4 vectors of 8 columns)
+constexpr int64_t kWideRows = 6;  // rows per tile over a widened block (x 2 vectors of 8 columns)
 constexpr int64_t kMaxM = 64;     // rows per pass over the weights; longer inputs (prefills) take several
 constexpr int64_t kBlock = 32;    // k-pairs per block when several tiles share a group's weights (8 KB)
 constexpr int64_t kAhead = kBlock * kGroup * 2;  // software prefetch distance in weight elements: one block ahead
@@ -82,6 +82,67 @@ void tile_part(const float* x, int64_t ldx, const uint16_t* group, int64_t col0,
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc_mem + r * kGroup + col0 + v * kLanes, acc[r][v]);
 }
 
+// Calls of 3 or more rows: a block of k-pairs of a group is widened to float32 once ([2 kb][64] floats, k-major, 16
+// KB, in L1) and every row tile multiplies from it, so the widening (a shift and a mask per weight vector) is paid
+// once per block instead of once per tile: tiles of up to 6 rows x 16 columns (12 accumulators, 2 weight vectors,
+// one broadcast) run at close to the FMA units' rate. The sums are the same: k = 2p, then 2p + 1, for every p.
+void widen_block(const uint16_t* group, int64_t p0, int64_t p1, float* wf) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const uint16_t* w = group + p0 * kGroup * 2;
+  for (int64_t p = p0; p < p1; ++p, w += kGroup * 2, wf += 2 * kGroup) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + kAhead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + 32), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + 96), _MM_HINT_T0);
+#pragma GCC unroll 8
+    for (int v = 0; v < kGroup / kLanes; ++v) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + v * 2 * kLanes));
+      _mm256_store_ps(wf + v * kLanes, _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)));
+      _mm256_store_ps(wf + kGroup + v * kLanes, _mm256_castsi256_ps(_mm256_and_si256(raw, high)));
+    }
+  }
+}
+
+// Rows [0, ROWS) of x times the widened block wf ([2 (p1 - p0)][64] floats) for columns [col0, col0 + 16) and k-pairs
+// [p0, p1), accumulated into acc_mem as tile_part does.
+template <int ROWS>
+void widened_part(const float* x, int64_t ldx, const float* wf, int64_t col0, int64_t p0, int64_t p1,
+                  float* acc_mem) {
+  __m256 acc[ROWS][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v)
+      acc[r][v] = p0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_mem + r * kGroup + col0 + v * kLanes);
+  const float* w = wf + col0;
+  for (int64_t k = 2 * p0; k < 2 * p1; ++k, w += kGroup) {
+    const __m256 w0 = _mm256_load_ps(w), w1 = _mm256_load_ps(w + kLanes);
+#pragma GCC unroll 6
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 xk = _mm256_broadcast_ss(x + r * ldx + k);
+      acc[r][0] = _mm256_fmadd_ps(xk, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xk, w1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) _mm256_storeu_ps(acc_mem + r * kGroup + col0 + v * kLanes, acc[r][v]);
+}
+
+void widened_rows(int64_t rows, const float* x, int64_t ldx, const float* wf, int64_t col0, int64_t p0, int64_t p1,
+                  float* acc_mem) {
+  switch (rows) {
+    case 1: return widened_part<1>(x, ldx, wf, col0, p0, p1, acc_mem);
+    case 2: return widened_part<2>(x, ldx, wf, col0, p0, p1, acc_mem);
+    case 3: return widened_part<3>(x, ldx, wf, col0, p0, p1, acc_mem);
+    case 4: return widened_part<4>(x, ldx, wf, col0, p0, p1, acc_mem);
+    case 5: return widened_part<5>(x, ldx, wf, col0, p0, p1, acc_mem);
+    case 6: return widened_part<6>(x, ldx, wf, col0, p0, p1, acc_mem);
+    default: TORCH_CHECK(false, "bf16_linear: tile of ", rows, " rows");
+  }
+}
+
 // float32 -> bfloat16 bits, rounded to nearest even (as vcvtneps2bf16); NaN stays a quiet NaN.
 inline __m128i to_bf16(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
@@ -119,23 +180,33 @@ void store_rows(int64_t rows, const float* acc_mem, const float* bias, uint16_t*
 // Rows [0, m) of xf, m <= kMaxM, times every packed group -> y [m, n].
 void linear_rows(const float* xf, int64_t ldx, int64_t m, const uint16_t* wp, int64_t groups, int64_t k_pairs,
                  int64_t n, const float* bp, uint16_t* yp) {
+  const int64_t tiles = (m + kWideRows - 1) / kWideRows;  // near-equal: 8 rows = 4 + 4, not 6 + 2
+  int64_t tile_rows[(kMaxM + kWideRows - 1) / kWideRows];
+  for (int64_t t = 0, row = 0; t < tiles; ++t) {
+    tile_rows[t] = (m - row) / (tiles - t);
+    row += tile_rows[t];
+  }
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     alignas(32) float acc[kMaxM * kGroup];
+    alignas(32) float wf[2 * kBlock * kGroup];  // a widened block (calls of 3 or more rows)
     for (int64_t g = begin; g < end; ++g) {
       const uint16_t* group = wp + g * k_pairs * kGroup * 2;
       const int64_t col = g * kGroup, columns = std::min(kGroup, n - col);
       if (m == 1) {  // a decode step: every column of the group at once, one pass over k
         tile_part<1, 8>(xf, ldx, group, 0, 0, k_pairs, acc);
-      } else {  // tiles of 2 rows x 32 columns (the last one 1 row) take turns over blocks of k-pairs
+      } else if (m == 2) {  // two tiles of 2 rows x 32 columns take turns over blocks of k-pairs
         for (int64_t p0 = 0; p0 < k_pairs; p0 += kBlock) {
           const int64_t p1 = std::min(k_pairs, p0 + kBlock);
-          for (int64_t row = 0; row < m; row += kMaxRows)
-            for (int64_t col0 = 0; col0 < kGroup; col0 += kGroup / 2) {
-              if (m - row >= 2)
-                tile_part<2, 4>(xf + row * ldx, ldx, group, col0, p0, p1, acc + row * kGroup);
-              else
-                tile_part<1, 4>(xf + row * ldx, ldx, group, col0, p0, p1, acc + row * kGroup);
-            }
+          for (int64_t col0 = 0; col0 < kGroup; col0 += kGroup / 2)
+            tile_part<2, 4>(xf, ldx, group, col0, p0, p1, acc);
+        }
+      } else {  // blocks widened once, then near-equal tiles of up to 6 rows x 16 columns
+        for (int64_t p0 = 0; p0 < k_pairs; p0 += kBlock) {
+          const int64_t p1 = std::min(k_pairs, p0 + kBlock);
+          widen_block(group, p0, p1, wf);
+          for (int64_t t = 0, row = 0; t < tiles; row += tile_rows[t], ++t)
+            for (int64_t col0 = 0; col0 < kGroup; col0 += 2 * kLanes)
+              widened_rows(tile_rows[t], xf + row * ldx, ldx, wf, col0, p0, p1, acc + row * kGroup);
         }
       }
       store_rows(m, acc, bp ? bp + col : nullptr, yp + col, n, columns);
