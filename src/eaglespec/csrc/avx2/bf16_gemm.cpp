@@ -12,7 +12,7 @@
 //
 // Register tiles for 16 ymm registers: one row takes a group's 64 columns at once (8 accumulators); two rows run two
 // tiles of 2 rows x 32 columns that take turns over blocks of 32 k-pairs of a group (8 KB, in L1 after the first
-// tile reads it); three or more widen each block to float32 once and run tiles of up to 6 rows x 16 columns over it
+// tile reads it); three or more widen each block to float32 once and run tiles of up to 3 rows x 32 columns over it
 // (widened_part). Either way the weights stream from memory once per call. Threads: at::parallel_for over column groups (torch's intra-op pool, i.e. --threads).
 
 #include <ATen/ATen.h>
@@ -30,7 +30,8 @@ namespace {
 
 constexpr int64_t kGroup = 64;    // output columns per packed group: 8 vectors of 8 float32 lanes
 constexpr int64_t kLanes = 8;
-constexpr int64_t kWideRows = 6;  // rows per tile over a widened block (x 2 vectors of 8 columns)
+constexpr int64_t kWideRows = 3;  // rows per tile over a widened block (x 4 vectors of 8 columns)
+constexpr int kWideV = 4;
 constexpr int64_t kMaxM = 64;     // rows per pass over the weights; longer inputs (prefills) take several
 constexpr int64_t kBlock = 32;    // k-pairs per block when several tiles share a group's weights (8 KB)
 constexpr int64_t kAhead = kBlock * kGroup * 2;  // software prefetch distance in weight elements: one block ahead
@@ -84,8 +85,10 @@ void tile_part(const float* x, int64_t ldx, const uint16_t* group, int64_t col0,
 
 // Calls of 3 or more rows: a block of k-pairs of a group is widened to float32 once ([2 kb][64] floats, k-major, 16
 // KB, in L1) and every row tile multiplies from it, so the widening (a shift and a mask per weight vector) is paid
-// once per block instead of once per tile: tiles of up to 6 rows x 16 columns (12 accumulators, 2 weight vectors,
-// one broadcast) run at close to the FMA units' rate. The sums are the same: k = 2p, then 2p + 1, for every p.
+// once per block instead of once per tile: tiles of up to 3 rows x 32 columns (12 accumulators, 3 broadcasts, one
+// weight vector at a time). On a 2-core Zen 3 VM all a SmolLM2-135M step's layer products took 16 ms for 6 rows and
+// 33 for 16 with these tiles, against 19-23 and 40-49 with tiles of 6 x 16 or 4 x 16 columns (fewer broadcasts per
+// FMA). The sums are the same: k = 2p, then 2p + 1, for every p.
 void widen_block(const uint16_t* group, int64_t p0, int64_t p1, float* wf) {
   const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   const uint16_t* w = group + p0 * kGroup * 2;
@@ -103,42 +106,41 @@ void widen_block(const uint16_t* group, int64_t p0, int64_t p1, float* wf) {
   }
 }
 
-// Rows [0, ROWS) of x times the widened block wf ([2 (p1 - p0)][64] floats) for columns [col0, col0 + 16) and k-pairs
-// [p0, p1), accumulated into acc_mem as tile_part does.
-template <int ROWS>
+// Rows [0, ROWS) of x times the widened block wf ([2 (p1 - p0)][64] floats) for columns [col0, col0 + 8 V) and
+// k-pairs [p0, p1), accumulated into acc_mem as tile_part does.
+template <int ROWS, int V>
 void widened_part(const float* x, int64_t ldx, const float* wf, int64_t col0, int64_t p0, int64_t p1,
                   float* acc_mem) {
-  __m256 acc[ROWS][2];
-#pragma GCC unroll 6
+  __m256 acc[ROWS][V];
+#pragma GCC unroll 3
   for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 2
-    for (int v = 0; v < 2; ++v)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v)
       acc[r][v] = p0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_mem + r * kGroup + col0 + v * kLanes);
   const float* w = wf + col0;
   for (int64_t k = 2 * p0; k < 2 * p1; ++k, w += kGroup) {
-    const __m256 w0 = _mm256_load_ps(w), w1 = _mm256_load_ps(w + kLanes);
-#pragma GCC unroll 6
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 xk = _mm256_broadcast_ss(x + r * ldx + k);
-      acc[r][0] = _mm256_fmadd_ps(xk, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xk, w1, acc[r][1]);
+    __m256 xk[ROWS];
+#pragma GCC unroll 3
+    for (int r = 0; r < ROWS; ++r) xk[r] = _mm256_broadcast_ss(x + r * ldx + k);
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) {
+      const __m256 wv = _mm256_load_ps(w + v * kLanes);
+#pragma GCC unroll 3
+      for (int r = 0; r < ROWS; ++r) acc[r][v] = _mm256_fmadd_ps(xk[r], wv, acc[r][v]);
     }
   }
-#pragma GCC unroll 6
+#pragma GCC unroll 3
   for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 2
-    for (int v = 0; v < 2; ++v) _mm256_storeu_ps(acc_mem + r * kGroup + col0 + v * kLanes, acc[r][v]);
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc_mem + r * kGroup + col0 + v * kLanes, acc[r][v]);
 }
 
 void widened_rows(int64_t rows, const float* x, int64_t ldx, const float* wf, int64_t col0, int64_t p0, int64_t p1,
                   float* acc_mem) {
   switch (rows) {
-    case 1: return widened_part<1>(x, ldx, wf, col0, p0, p1, acc_mem);
-    case 2: return widened_part<2>(x, ldx, wf, col0, p0, p1, acc_mem);
-    case 3: return widened_part<3>(x, ldx, wf, col0, p0, p1, acc_mem);
-    case 4: return widened_part<4>(x, ldx, wf, col0, p0, p1, acc_mem);
-    case 5: return widened_part<5>(x, ldx, wf, col0, p0, p1, acc_mem);
-    case 6: return widened_part<6>(x, ldx, wf, col0, p0, p1, acc_mem);
+    case 1: return widened_part<1, kWideV>(x, ldx, wf, col0, p0, p1, acc_mem);
+    case 2: return widened_part<2, kWideV>(x, ldx, wf, col0, p0, p1, acc_mem);
+    case 3: return widened_part<3, kWideV>(x, ldx, wf, col0, p0, p1, acc_mem);
     default: TORCH_CHECK(false, "bf16_linear: tile of ", rows, " rows");
   }
 }
@@ -200,12 +202,12 @@ void linear_rows(const float* xf, int64_t ldx, int64_t m, const uint16_t* wp, in
           for (int64_t col0 = 0; col0 < kGroup; col0 += kGroup / 2)
             tile_part<2, 4>(xf, ldx, group, col0, p0, p1, acc);
         }
-      } else {  // blocks widened once, then near-equal tiles of up to 6 rows x 16 columns
+      } else {  // blocks widened once, then near-equal tiles of up to 3 rows x 32 columns
         for (int64_t p0 = 0; p0 < k_pairs; p0 += kBlock) {
           const int64_t p1 = std::min(k_pairs, p0 + kBlock);
           widen_block(group, p0, p1, wf);
           for (int64_t t = 0, row = 0; t < tiles; row += tile_rows[t], ++t)
-            for (int64_t col0 = 0; col0 < kGroup; col0 += 2 * kLanes)
+            for (int64_t col0 = 0; col0 < kGroup; col0 += kWideV * kLanes)
               widened_rows(tile_rows[t], xf + row * ldx, ldx, wf, col0, p0, p1, acc + row * kGroup);
         }
       }
