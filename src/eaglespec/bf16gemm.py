@@ -290,7 +290,8 @@ class GreedyHead:
     """Greedy decoding's token for each row of x [M, K] under a bfloat16 LM head W [N, K] (no bias), reading an int8
     copy of W (half the bytes) and scoring exactly only the tokens it cannot rule out: csrc/screened_argmax.cpp has
     the bound that makes the answer the argmax of the exact float32 logits, ties to the lowest id. Holds the int8
-    copy (N K bytes) and a reference to W. Needs AVX-512 VNNI (every CPU with AVX-512 BF16 has it)."""
+    copy (N K bytes) and a reference to W. Integer products through AVX-512 VNNI, or vpmaddubsw in the AVX2 build
+    (csrc/avx2/screened_argmax.cpp: the same exact integer sums, so the same bound and answer)."""
 
     def __init__(self, weight: Tensor):
         load()
@@ -306,7 +307,7 @@ class GreedyHead:
 
 class Int8Linear(nn.Module):
     """y = x W^T (+ b) from an int8 copy of W (one scale per row) and x quantized per block of 32 channels, through
-    AVX-512 VNNI (csrc/screened_argmax.cpp): half the bytes of bfloat16, approximate. For a draft head only, whose
+    AVX-512 VNNI (csrc/screened_argmax.cpp; vpmaddubsw in the AVX2 build): half the bytes of bfloat16, approximate. For a draft head only, whose
     errors can cost acceptance but never change what the target accepts. x [..., K] -> [..., N] in x's dtype."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):

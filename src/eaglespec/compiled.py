@@ -12,8 +12,9 @@ guards a call (below); a custom op hiding the write cost ~90 us of Python per ca
 
 Three graphs, by the number of tokens n of a decode step (`graph_kind`): n = 1 (plain decoding), 2 <= n <=
 SMALL_TREE (small draft trees) and larger trees. Their matrix products:
-- bfloat16 weights on a CPU with AVX-512 BF16: eaglespec's own kernel (`bf16gemm`, an operator the graphs call),
-  which reads each weight once per call and multiplies with bfloat16 dot products; rows cost little until ~6.
+- bfloat16 weights on a CPU with AVX-512 BF16 or AVX2 + FMA: eaglespec's own kernel (`bf16gemm`, an operator the
+  graphs call), which reads each weight once per call and multiplies with bfloat16 dot products or float32 FMAs on
+  widened weights; rows cost little until ~6 with AVX-512, ~2 with AVX2.
 - elsewhere on a CPU (float32, other CPUs): the first two graphs are compiled with max-autotune, where inductor's
   own C++ GEMM kernels (its CPP template) beat oneDNN's packed products on 1-4 rows (oneDNN pays ~13 us a call
   and streams these layer shapes at 17-22 GB/s); for 8 rows and more they lost to oneDNN (kernels tuned for 2

@@ -20,7 +20,7 @@ steps and every verify pass) attends row by row: each query row gets one attenti
 may see, in sequence order: the cached prefix followed by its path of tree tokens (copied into the cache rows right
 after the prefix when the path is not already there). That is the same call plain decoding makes for that token,
 so a verified row is bit-identical to it. Where eaglespec's decode-step attention kernel builds (a CPU with AVX-512
-BF16, `write_and_attend_tree`), one kernel call per layer does the same for every row at once: each row's pass
+BF16 or AVX2, `write_and_attend_tree`), one kernel call per layer does the same for every row at once: each row's pass
 over its visible keys has that same order and arithmetic. With `compile`, the compiled decode steps attend through
 it too (eaglespec.compiled). The prompt prefill is the same call in both and stays batched. Float32 targets keep
 one batched attention call by default: their verified logits differ from a one-token step's by float32 rounding
@@ -119,7 +119,7 @@ def write_and_attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tens
 
 def write_and_attend_tree(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, c: int,
                           step_mask: Tensor | None) -> Tensor:
-    """`write_and_attend` through eaglespec's decode-step attention (csrc/tree_attention.cpp, float32, AVX-512):
+    """`write_and_attend` through eaglespec's decode-step attention (csrc/tree_attention.cpp, float32, AVX-512 or AVX2):
     each query row attends over the cached prefix and then its own path of step rows, in sequence order, so a
     verified tree row gets the bits of the one-token step that would compute it. keys: [Hkv, hd, capacity], the
     cache's keys transposed (the kernel scores 16 keys as one vector); values [Hkv, capacity, hd]. step_mask [n, n]
@@ -160,7 +160,7 @@ class FastTarget(TargetModel):
             if self.quantize or row_invariant:
                 raise EagleSpecError(compiled.CONFLICT)
             compiled.check_available(self.device)
-        # --compile on a CPU with AVX-512 BF16: decoder and LM-head products through eaglespec's own kernel
+        # --compile on a CPU with AVX-512 BF16 or AVX2: decoder and LM-head products through eaglespec's own kernel
         self.bf16_gemm = self.compiled and bf16gemm.available(self.dtype, self.device)
         can_pack = self.quantize is None and packed.available(self.dtype, self.device)
         if pack and not can_pack:
