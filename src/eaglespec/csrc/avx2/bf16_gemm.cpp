@@ -86,9 +86,8 @@ void tile_part(const float* x, int64_t ldx, const uint16_t* group, int64_t col0,
 // Calls of 3 or more rows: a block of k-pairs of a group is widened to float32 once ([2 kb][64] floats, k-major, 16
 // KB, in L1) and every row tile multiplies from it, so the widening (a shift and a mask per weight vector) is paid
 // once per block instead of once per tile: tiles of up to 3 rows x 32 columns (12 accumulators, 3 broadcasts, one
-// weight vector at a time). On a 2-core Zen 3 VM all a SmolLM2-135M step's layer products took 16 ms for 6 rows and
-// 33 for 16 with these tiles, against 19-23 and 40-49 with tiles of 6 x 16 or 4 x 16 columns (fewer broadcasts per
-// FMA). The sums are the same: k = 2p, then 2p + 1, for every p.
+// weight vector at a time), which beat 6 x 16 and 4 x 16 tiles on a 2-core Zen 3 VM (more broadcasts per FMA there).
+// The sums are the same: k = 2p, then 2p + 1, for every p.
 void widen_block(const uint16_t* group, int64_t p0, int64_t p1, float* wf) {
   const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   const uint16_t* w = group + p0 * kGroup * 2;
