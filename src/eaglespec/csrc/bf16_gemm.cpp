@@ -2,8 +2,8 @@
 //
 // Decode steps and draft-tree verification multiply 1-16 rows by every weight matrix of the model, so they are
 // bound by reading the weights (and, from ~8 rows on 2 cores, by bfloat16 arithmetic). The weight is packed once
-// (`bf16_pack`, csrc/ops.cpp) into groups of 64 output columns, k-pairs innermost: [N/64][K/2][64][2]. One 64-byte
-// load then holds two k-values of 16 columns, the layout of vdpbf16ps's second operand; the first operand is a pair of x
+// (`bf16_pack`) into groups of 64 output columns, k-pairs innermost: [N/64][K/2][64][2]. One 64-byte load then
+// holds two k-values of 16 columns, the layout of vdpbf16ps's second operand; the first operand is a pair of x
 // values broadcast to all lanes. Each tile keeps up to 6 rows x 4 column vectors of float32 accumulators in
 // registers (24 of the 32); no horizontal sums are needed. Calls of more than 6 rows run several tiles over each
 // group's weights block by block (linear_rows), so the weights are read from memory once per call.
@@ -14,6 +14,9 @@
 // Every output element is the same ordered sum over k-pairs whatever the number of rows in the call and the row's
 // place in it: a row gets the same bits in a one-token step as in a verified draft tree (row-invariant).
 // Threads: at::parallel_for over column groups (torch's intra-op thread pool, i.e. --threads).
+
+// The packing (bf16_pack) and the operator schemas are in csrc/ops.cpp, shared with the AVX2 build
+// (csrc/avx2/bf16_gemm.cpp).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
