@@ -13,7 +13,8 @@
 // Register tiles for 16 ymm registers: one row takes a group's 64 columns at once (8 accumulators); two rows run two
 // tiles of 2 rows x 32 columns that take turns over blocks of 32 k-pairs of a group (8 KB, in L1 after the first
 // tile reads it); three or more widen each block to float32 once and run tiles of up to 3 rows x 32 columns over it
-// (widened_part). Either way the weights stream from memory once per call. Threads: at::parallel_for over column groups (torch's intra-op pool, i.e. --threads).
+// (widened_part). Either way the weights stream from memory once per call. Threads: at::parallel_for over column
+// groups (torch's intra-op pool, i.e. --threads).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
