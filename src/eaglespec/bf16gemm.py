@@ -308,7 +308,8 @@ class GreedyHead:
 class Int8Linear(nn.Module):
     """y = x W^T (+ b) from an int8 copy of W (one scale per row) and x quantized per block of 32 channels, through
     AVX-512 VNNI (csrc/screened_argmax.cpp; vpmaddubsw in the AVX2 build): half the bytes of bfloat16, approximate.
-    For a draft head only, whose errors can cost acceptance but never change what the target accepts. x [..., K] -> [..., N] in x's dtype."""
+    For a draft head only, whose errors can cost acceptance but never change what the target accepts.
+    x [..., K] -> [..., N] in x's dtype."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
         super().__init__()

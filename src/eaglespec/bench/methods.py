@@ -288,7 +288,8 @@ def peer_model(model):
     if model is None:
         return None
     parameter = next(model.parameters())
-    if parameter.device.type == "cpu" and parameter.dtype in (torch.bfloat16, torch.float16) and not cpu_has_native_bf16():
+    half = parameter.dtype in (torch.bfloat16, torch.float16)
+    if parameter.device.type == "cpu" and half and not cpu_has_native_bf16():
         return copy.deepcopy(model).float()
     return model
 
