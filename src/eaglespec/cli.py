@@ -50,8 +50,8 @@ def model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exact", action="store_true",
                    help="fast path: each verified row attends exactly as a one-token step does, so speculative "
                         "output is bit-identical to plain decoding in bfloat16 too (eaglespec's attention kernel on "
-                        "CPUs with AVX-512 BF16 or AVX2, else one attention call per tree token; --compile on such a CPU is "
-                        "bit-exact without it; float32 and --quantize need it less / always have it)")
+                        "CPUs with AVX-512 BF16 or AVX2, else one attention call per tree token; --compile on such a "
+                        "CPU is bit-exact without it; float32 and --quantize need it less / always have it)")
     g.add_argument("--compile", action="store_true",
                    help="fast path: run the target's decode steps through torch.compile (fuses the small operations "
                         "between matrix products; needs a C++ compiler on a CPU; compiles for tens of seconds at "
