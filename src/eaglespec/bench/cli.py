@@ -153,13 +153,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   "sweep": args.sweep, "head": str(head) if head else None, "head3": str(head3) if head3 else None,
                   "draft_model": args.draft_model, "categories": args.categories, "limit": args.limit,
                   "per_category": args.per_category, "turns": args.turns,
-                  # the bfloat16 kernel's multiply loop on this machine, where our target runs on the kernel
-                  "bf16_kernel": bf16gemm.variant() if getattr(engine.target, "bf16_gemm", False) else None},
+                  # the bfloat16 kernel's build and multiply loop on this machine, where our target runs on the kernel
+                  "bf16_kernel": (f"{bf16gemm.isa().name} {bf16gemm.variant()}"
+                                  if getattr(engine.target, "bf16_gemm", False) else None)},
     )
     print(f"bench: {len(questions)} questions, methods {', '.join(m.name for m in methods)} -> {out}",
           file=sys.stderr)
     print(f"bench: dtype {config.settings['dtype']}, {torch.get_num_threads()} torch threads, backend "
-          f"{config.settings['backend']}, quantize {args.quantize}, compile {args.compile}, bfloat16 kernel loop "
+          f"{config.settings['backend']}, quantize {args.quantize}, compile {args.compile}, bfloat16 kernel "
           f"{config.settings['bf16_kernel'] or '-'} (our loop; peers run their own weights)",
           file=sys.stderr)
     for m in methods:
