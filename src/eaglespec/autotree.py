@@ -316,6 +316,7 @@ def _target_key(target: TargetModel) -> str:
                      str(getattr(target, "row_invariant", False)), str(getattr(target, "compiled", False)),
                      bf16gemm.variant() if getattr(target, "bf16_gemm", False) else "-",
                      bf16gemm.isa().name if getattr(target, "attention_kernel", False) else "-",
+                     f"q4x{getattr(target, 'q4_matrices', 0)}",
                      getattr(target.config, "_name_or_path", ""), str(target.num_layers), str(target.hidden_size),
                      machine_key()])
 

@@ -68,7 +68,7 @@ ISAS = {
     "avx2": Isa("avx2", frozenset({"avx2", "fma", "f16c"}),
                 tuple([CSRC / "ops.cpp", CSRC / "commit_rows.cpp"]
                       + [CSRC / "avx2" / name for name in ("bf16_gemm.cpp", "tree_attention.cpp", "argmax_rows.cpp",
-                                                           "topk_rows.cpp", "screened_argmax.cpp")]),
+                                                           "topk_rows.cpp", "screened_argmax.cpp", "q4_gemm.cpp")]),
                 ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"), ("fma",)),
 }
 ISA_ENV = "EAGLESPEC_KERNEL_ISA"  # avx2 forces the AVX2 build on an AVX-512 CPU (to test or compare it)
@@ -136,6 +136,11 @@ def load() -> None:
     @torch.library.register_fake("eaglespec::int8_linear")
     def _(x: Tensor, packed: Tensor, scale: Tensor, n: int, bias: Tensor | None) -> Tensor:
         return x.new_empty(x.shape[0], n, dtype=torch.float32)
+
+    if build_isa.name == "avx2":  # csrc/avx2/q4_gemm.cpp (eaglespec.q4)
+        @torch.library.register_fake("eaglespec::q4_linear")
+        def _(x: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor:
+            return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("eaglespec::tree_attention")
     def _(q: Tensor, keys: Tensor, values: Tensor, step_mask: Tensor | None) -> Tensor:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import EagleSpecError
-from . import bf16gemm, compiled, packed
+from . import bf16gemm, compiled, packed, q4
 from .quant import check_mode, quantize
 from .target import TargetModel, TargetOutput
 
@@ -202,7 +202,12 @@ class FastTarget(TargetModel):
                 self.greedy_head = bf16gemm.GreedyHead(head.weight)
         else:
             self.logits_head = self._linear(head.weight, head.bias) if self.quantize or self.pack else head
+        # the layers' weights read as exact 4-bit blocks where the float32 checkpoint has that form (eaglespec.q4:
+        # GGUF Q4_1 models, on CPUs running the AVX2 kernels); other matrices stay on the bfloat16 kernel
+        self.q4_source = q4.Float32Source(model) if self.bf16_gemm and q4.available() else None
+        self.q4_matrices = 0  # layer matrices read as 4-bit blocks
         self.layers = [self._fuse(layer) for layer in self.decoder.layers]
+        self.q4_source = None  # (its open files are not needed after this)
         self.final_norm = self.decoder.norm.weight.detach()
         self.stack = None  # the compiled layers (decode steps), with --compile
         self.compiled_steps = 0  # forwards that ran through it
@@ -224,9 +229,15 @@ class FastTarget(TargetModel):
             return packed.pack_row_invariant(weight, bias) if self.row_invariant else packed.pack(weight, bias)
         return partial(F.linear, weight=weight.detach().contiguous(), bias=None if bias is None else bias.detach())
 
-    def _layer_linear(self, weight: Tensor, bias: Tensor | None = None) -> Linear:
-        # compiled layers hold modules: eaglespec's bfloat16 kernel where available, else plain nn.Linear modules
-        # (inductor's freezing packs them itself)
+    def _layer_linear(self, weight: Tensor, bias: Tensor | None = None, parameters: tuple[Tensor, ...] = ()) -> Linear:
+        # compiled layers hold modules: eaglespec's 4-bit block or bfloat16 kernel where available, else plain
+        # nn.Linear modules (inductor's freezing packs them itself). `parameters`: the model's weights stacked in
+        # `weight`, to find their float32 values
+        if self.q4_source is not None and parameters:
+            blocks = self.q4_source.blocks(*parameters)
+            if blocks is not None:
+                self.q4_matrices += 1
+                return q4.Q4Linear(blocks, bias)
         if self.bf16_gemm:
             return bf16gemm.Bf16Linear(weight, bias)
         return compiled.linear_module(weight, bias) if self.compiled else self._linear(weight, bias)
@@ -238,11 +249,13 @@ class FastTarget(TargetModel):
             bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
         return _Layer(
             input_norm=layer.input_layernorm.weight.detach(),
-            qkv=self._layer_linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bias),
-            o=self._layer_linear(a.o_proj.weight),
+            qkv=self._layer_linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bias,
+                                   (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)),
+            o=self._layer_linear(a.o_proj.weight, None, (a.o_proj.weight,)),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=self._layer_linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
-            down=self._layer_linear(m.down_proj.weight),
+            gate_up=self._layer_linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), None,
+                                       (m.gate_proj.weight, m.up_proj.weight)),
+            down=self._layer_linear(m.down_proj.weight, None, (m.down_proj.weight,)),
         )
 
     # ---- static cache --------------------------------------------------------------------------------

@@ -155,13 +155,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   "per_category": args.per_category, "turns": args.turns,
                   # the bfloat16 kernel's build and multiply loop on this machine, where our target runs on the kernel
                   "bf16_kernel": (f"{bf16gemm.isa().name} {bf16gemm.variant()}"
-                                  if getattr(engine.target, "bf16_gemm", False) else None)},
+                                  if getattr(engine.target, "bf16_gemm", False) else None),
+                  # layer matrices read as exact 4-bit blocks (eaglespec.q4), of 4 per layer
+                  "q4_matrices": getattr(engine.target, "q4_matrices", 0)},
     )
     print(f"bench: {len(questions)} questions, methods {', '.join(m.name for m in methods)} -> {out}",
           file=sys.stderr)
     print(f"bench: dtype {config.settings['dtype']}, {torch.get_num_threads()} torch threads, backend "
           f"{config.settings['backend']}, quantize {args.quantize}, compile {args.compile}, bfloat16 kernel "
-          f"{config.settings['bf16_kernel'] or '-'} (our loop; peers run their own weights)",
+          f"{config.settings['bf16_kernel'] or '-'}, layer matrices as exact 4-bit blocks "
+          f"{config.settings['q4_matrices']} (our loop; peers run their own weights)",
           file=sys.stderr)
     for m in methods:
         if "tree" in m.settings:

@@ -1,0 +1,151 @@
+"""Exact 4-bit block weights: products that read a model's weights in llama.cpp's Q4_1 form, losslessly.
+
+Models that install here come as GGUF files, and eaglespec dequantizes them once into float32 (eaglespec.models). In a
+Q4_1 tensor every block of 32 consecutive input channels of a row is d q + m with q in [0, 15] and d, m float16, so
+the float32 weights carry 5 bits of information per weight while bfloat16 stores 16 and rounds them. `find_blocks`
+recovers (d, m, q) from the float32 weights and checks that they rebuild every weight bit for bit; where they do,
+`Q4Linear` multiplies through csrc/avx2/q4_gemm.cpp, which reads 20 bytes per 32 weights (instead of 64 in bfloat16)
+and rebuilds each float32 weight exactly before its FMA. Nothing is approximated: these products are those of the
+float32 model's weights (closer to it than bfloat16 ones), with bfloat16 activations as in the bfloat16 kernel.
+
+Used by `--compile` bfloat16 targets where the AVX2 build of the kernels runs (`available`); $EAGLESPEC_Q4=0 turns
+it off (the layers then use the bfloat16 kernel). Weights without the form (a model from safetensors, a Q8_0 or K-quant
+tensor) stay on the bfloat16 kernel, layer matrix by layer matrix.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from . import bf16gemm
+
+BLOCK = 32  # input channels per block
+COLUMNS = 32  # output columns per packed group (csrc/avx2/q4_gemm.cpp)
+ENV = "EAGLESPEC_Q4"
+
+
+def available() -> bool:
+    """True where Q4Linear runs: the AVX2 build of the kernels is this CPU's (the AVX-512 build has no 4-bit
+    product yet) and $EAGLESPEC_Q4 is not 0."""
+    build = bf16gemm.isa()
+    return build is not None and build.name == "avx2" and os.environ.get(ENV, "1").strip() != "0"
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """W [N, K] = d q + m per block of 32 input channels, exactly (float32 arithmetic, one rounding)."""
+
+    d: Tensor  # [N, K/32] float16
+    m: Tensor  # [N, K/32] float16
+    q: Tensor  # [N, K] uint8 in [0, 15]
+
+    def weight(self) -> Tensor:
+        """The float32 weights [N, K] they stand for (d q is exact in float32: 11 x 4 bits)."""
+        n, k = self.q.shape
+        d = self.d.float().repeat_interleave(BLOCK, dim=1)
+        m = self.m.float().repeat_interleave(BLOCK, dim=1)
+        return d * self.q.float() + m
+
+
+def find_blocks(weight: Tensor) -> Blocks | None:
+    """(d, m, q) with d q + m == weight for every element, bit for bit, or None where weight [N, K] (float32) does not
+    have that form. m is each block's minimum (q = 0 occurs in every Q4_1 block); d is the float16 value nearest
+    (max - min) / 15 or one of its two neighbours, the first that rebuilds the whole block."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK or weight.numel() == 0:
+        return None
+    n, k = weight.shape
+    w = weight.detach().reshape(n, k // BLOCK, BLOCK)  # [N, B, 32]
+    if not bool(w.isfinite().all()):
+        return None
+    low, high = w.amin(-1), w.amax(-1)  # [N, B]
+    m16 = low.half()
+    if not bool((m16.float() == low).all()):
+        return None
+    nearest = ((high - low) / 15).half()  # [N, B]
+    bits = nearest.view(torch.int16)
+    d_best = torch.zeros_like(nearest)
+    q_best = torch.zeros(w.shape, dtype=torch.uint8)
+    found = torch.zeros(n, k // BLOCK, dtype=torch.bool)
+    for step in (0, 1, -1):
+        candidate = (bits + step).clamp_min(0).view(torch.float16)  # [N, B] (d >= 0: the bits count up with it)
+        d = candidate.float()[..., None]  # [N, B, 1]
+        q = torch.where(d > 0, torch.round((w - low[..., None]) / d.clamp_min(1e-30)), 0.0).clamp(0, 15)
+        ok = ((d * q + low[..., None]) == w).all(-1) & ~found & candidate.isfinite()  # [N, B]
+        d_best = torch.where(ok, candidate, d_best)
+        q_best = torch.where(ok[..., None], q.to(torch.uint8), q_best)
+        found |= ok
+    if not bool(found.all()):
+        return None
+    return Blocks(d_best, m16, q_best.reshape(n, k))
+
+
+def q4_pack(blocks: Blocks) -> Tensor:
+    """csrc/avx2/q4_gemm.cpp's layout: [ceil(N/32), K/32, 640] uint8; per group-block d (32 float16), m (32 float16),
+    then uint32 words [4 octets][32 columns] whose nibble i holds q[column][32 b + 8 octet + i]."""
+    n, k = blocks.q.shape
+    pad = -n % COLUMNS
+    q = nn.functional.pad(blocks.q, (0, 0, 0, pad)).to(torch.int32)  # [Np, K]
+    d = nn.functional.pad(blocks.d, (0, 0, 0, pad))  # [Np, B]
+    m = nn.functional.pad(blocks.m, (0, 0, 0, pad))
+    groups, nblocks = (n + pad) // COLUMNS, k // BLOCK
+    q = q.view(groups, COLUMNS, nblocks, 4, 8).permute(0, 2, 3, 1, 4)  # [G, B, octet, column, i]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    words = (q << shifts).sum(-1, dtype=torch.int64).to(torch.int32)  # [G, B, 4, 32] (as uint32 bits)
+    d = d.view(groups, COLUMNS, nblocks).transpose(1, 2).contiguous()  # [G, B, 32]
+    m = m.view(groups, COLUMNS, nblocks).transpose(1, 2).contiguous()
+    return torch.cat([d.view(torch.uint8), m.view(torch.uint8), words.contiguous().view(torch.uint8)
+                      .view(groups, nblocks, -1)], dim=-1).contiguous()
+
+
+class Q4Linear(nn.Module):
+    """y = x W^T (+ b) with W read as exact 4-bit blocks (`find_blocks`). x [..., K] -> [..., N] bfloat16."""
+
+    def __init__(self, blocks: Blocks, bias: Tensor | None = None):
+        super().__init__()
+        bf16gemm.load()
+        self.out_features, self.in_features = blocks.q.shape
+        self.register_buffer("packed", q4_pack(blocks))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features)  # [M, K]
+        y = torch.ops.eaglespec.q4_linear(rows, self.packed, self.out_features, self.bias)  # [M, N]
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Float32Source:
+    """The float32 weights a model was loaded from, read back by parameter name from its folder's safetensors (a
+    bfloat16 model has rounded them): the converted GGUF folders of eaglespec.models, or any float32 checkpoint."""
+
+    def __init__(self, model: nn.Module):
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.files: list = []
+        folder = Path(str(getattr(model, "name_or_path", "") or ""))
+        if folder.is_dir():
+            from safetensors import safe_open
+
+            self.files = [safe_open(str(path), framework="pt") for path in sorted(folder.glob("*.safetensors"))]
+
+    def get(self, parameter: Tensor) -> Tensor | None:
+        """The float32 tensor stored for this parameter, or None (not found, another dtype or shape)."""
+        name = self.names.get(id(parameter))
+        for handle in self.files:
+            if name is not None and name in handle.keys():
+                tensor = handle.get_tensor(name)
+                # (and the parameter is that tensor, rounded to its dtype: not a model changed after loading)
+                if (tensor.dtype == torch.float32 and tensor.shape == parameter.shape
+                        and torch.equal(tensor.to(parameter.dtype), parameter.detach().cpu())):
+                    return tensor
+        return None
+
+    def blocks(self, *parameters: Tensor) -> Blocks | None:
+        """`find_blocks` of these parameters' float32 weights stacked along N (a fused q/k/v), or None."""
+        weights = [self.get(p) for p in parameters]
+        if not self.files or any(w is None for w in weights):
+            return None
+        return find_blocks(torch.cat(weights))
