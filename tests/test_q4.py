@@ -1,0 +1,161 @@
+"""Exact 4-bit block weights (eaglespec.q4, csrc/avx2/q4_gemm.cpp): finding llama.cpp's Q4_1 form in float32 weights
+(checked against gguf's own quantizer), the packing, the product (the float32 weights rebuilt bit for bit, the
+bfloat16 kernel's bits where both apply, row-invariant), and a compiled bfloat16 target whose layers use it, decoding
+speculatively to plain decoding's tokens. The kernel tests need the AVX2 build (`q4.available()`); the form and
+packing checks run everywhere."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from eaglespec import bf16gemm, q4
+from eaglespec.api import Engine, TreeSettings
+from eaglespec.fastpath import FastTarget
+
+from conftest import TinyTokenizer, make_model
+from test_engine import PROMPTS, random_head
+from test_fastpath import PROMPT
+
+needs_kernel = pytest.mark.skipif(not (q4.available() and bf16gemm.can_build()),
+                                  reason="the 4-bit product is in the AVX2 build of the kernels (and needs a compiler)")
+
+
+def q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """gguf's Q4_1 quantization and float32 dequantization of a [N, K] weight: what eaglespec.models' converted GGUF
+    folders hold."""
+    data = weight.detach().float().numpy()
+    return torch.from_numpy(np.ascontiguousarray(dequantize(quantize(data, GGMLQuantizationType.Q4_1),
+                                                            GGMLQuantizationType.Q4_1))).reshape(weight.shape)
+
+
+def test_blocks_are_found_exactly_in_gguf_q4_1_weights():
+    torch.manual_seed(0)
+    weight = q4_1(torch.randn(200, 256) * 0.05)
+    weight[3, :32] = 0.25  # a constant block (d = 0)
+    blocks = q4.find_blocks(weight)
+    assert blocks is not None and blocks.q.max() <= 15
+    assert torch.equal(blocks.weight(), weight)  # every weight, bit for bit
+    assert q4.find_blocks(torch.randn(64, 64)) is None  # plain float32 weights
+    assert q4.find_blocks(weight.bfloat16().float()) is None  # rounded: no longer the form
+    assert q4.find_blocks(weight[:, :48]) is None  # K not a multiple of 32
+    broken = weight.clone()
+    broken[5, 7] = float("nan")
+    assert q4.find_blocks(broken) is None
+
+
+def test_packing_layout():
+    """q4_pack's bytes: per 32-column group and 32-k block, d, m, then words whose nibble i holds k = 8 j + i."""
+    torch.manual_seed(1)
+    n, k = 40, 64
+    d = (torch.rand(n, k // 32) * 0.01).half()
+    m = (-torch.rand(n, k // 32)).half()
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    packed = q4.q4_pack(q4.Blocks(d, m, q))
+    assert packed.shape == (2, 2, 640) and packed.dtype == torch.uint8
+    group, block, column, octet, i = 1, 1, 5, 2, 3  # column 32 + 5 = 37, k = 32 + 16 + 3
+    assert packed[group, block, :64].view(torch.float16)[column] == d[37, 1]
+    assert packed[group, block, 64:128].view(torch.float16)[column] == m[37, 1]
+    word = int(packed[group, block, 128:].view(torch.int32).view(4, 32)[octet, column]) & 0xFFFFFFFF
+    assert (word >> (4 * i)) & 0xF == q[37, 32 + 8 * octet + i]
+    assert packed[1, :, 128:].view(torch.int32).view(2, 4, 32)[:, :, 8:].eq(0).all()  # padded columns: q = 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (40, 64)])
+def test_kernel_rebuilds_the_weights_and_is_row_invariant(n, k):
+    bf16gemm.load()
+    torch.manual_seed(n)
+    weight = q4_1(torch.randn(n, k) * 0.05)
+    blocks = q4.find_blocks(weight)
+    packed = q4.q4_pack(blocks)
+    assert torch.equal(torch.ops.eaglespec.q4_unpack(packed, n, k), weight)
+    bias = torch.randn(n)
+    layer = q4.Q4Linear(blocks, bias)
+    x = torch.randn(11, k).bfloat16()
+    whole = layer(x)  # [11, n] bfloat16
+    exact = x.double() @ weight.double().T + bias.double()
+    bound = exact.abs() * 2**-8 + 1e-5 * k * (x.double().abs() @ weight.double().abs().T)
+    assert whole.dtype == torch.bfloat16 and ((whole.double() - exact).abs() <= bound).all()
+    for rows in range(1, 11):  # one and two rows rebuild in registers, three or more from a block in L1
+        assert torch.equal(layer(x[:rows]), whole[:rows]), rows
+    assert torch.equal(layer(x[7:8]), whole[7:8])
+    assert torch.equal(layer(x.view(1, 11, k))[0], whole)
+
+
+@needs_kernel
+def test_kernel_has_the_bfloat16_kernels_bits_on_bfloat16_weights():
+    """Weights that are bfloat16 values too (d a power of two, m a small multiple of it): the same sums, the same
+    roundings, so the same bits as bf16_linear's FMA loop, for every number of rows."""
+    torch.manual_seed(2)
+    n, k = 96, 128
+    d = (2.0 ** torch.randint(-8, -4, (n, k // 32))).half()
+    m = (-d.float() * torch.randint(0, 16, (n, k // 32))).half()
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    blocks = q4.Blocks(d, m, q)
+    weight = blocks.weight()
+    assert torch.equal(weight.bfloat16().float(), weight)
+    bias = torch.randn(n)
+    x = torch.randn(9, k).bfloat16()
+    ours = q4.Q4Linear(blocks, bias)(x)
+    theirs = torch.ops.eaglespec.bf16_linear(x, torch.ops.eaglespec.bf16_pack(weight.bfloat16()), n, bias,
+                                             bf16gemm.VARIANTS["fma"])
+    assert torch.equal(ours, theirs)
+
+
+def test_off_switch(monkeypatch):
+    monkeypatch.setenv(q4.ENV, "0")
+    assert not q4.available()
+
+
+@pytest.fixture(scope="module")
+def q4_folder(tmp_path_factory):
+    """A tiny Llama whose layer matrices are Q4_1 weights, saved as float32 safetensors (as a converted GGUF)."""
+    model = make_model("llama", layers=2)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for linear in (*[getattr(layer.self_attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")],
+                           layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                linear.weight.copy_(q4_1(linear.weight))
+    folder = tmp_path_factory.mktemp("q4") / "model"
+    model.save_pretrained(folder)
+    return folder
+
+
+def load(folder, dtype=torch.bfloat16):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval().requires_grad_(False)
+
+
+@needs_kernel
+def test_compiled_target_reads_its_layers_as_blocks(q4_folder):
+    model = load(q4_folder)
+    target = FastTarget(model, "final", compile=True)
+    assert target.q4_matrices == 8 and all(isinstance(layer.down, q4.Q4Linear) for layer in target.layers)
+    reference = FastTarget(load(q4_folder, torch.float32), "final")  # the float32 model, eager
+    target.warm_up()
+    outs = []
+    for t in (reference, target):
+        t.reset()
+        t.forward(PROMPT)
+        t.commit()
+        outs.append(t.forward(torch.tensor([5, 9, 11]), None, None).logits.float())
+    torch.testing.assert_close(outs[1], outs[0], atol=0.1, rtol=0.05)  # bfloat16 activations
+    # a weight changed after loading no longer matches its file: that matrix stays on the bfloat16 kernel
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] += 1
+    changed = FastTarget(model, "final", compile=True)
+    assert changed.q4_matrices == 7 and isinstance(changed.layers[1].down, bf16gemm.Bf16Linear)
+
+
+@needs_kernel
+def test_speculative_decoding_on_blocks_gives_plain_decodings_tokens(q4_folder):
+    model = load(q4_folder)
+    plain = Engine.from_model(model, TinyTokenizer(), method="vanilla", compile=True)
+    spec = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle1").to(torch.bfloat16), method="eagle2",
+                             compile=True, tree=TreeSettings(total_tokens=8, depth=3, top_k=3))
+    assert plain.target.q4_matrices == spec.target.q4_matrices == 8
+    for prompt in PROMPTS:
+        assert spec.generate(prompt, max_new_tokens=20).tokens == plain.generate(prompt, max_new_tokens=20).tokens
