@@ -86,53 +86,46 @@ void one_row(const float* x, const uint8_t* group, int64_t blocks, float* acc_ou
   for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc_out + 8 * v, acc[v]);
 }
 
-// Rows [0, ROWS) of x (row stride ldx) times every block of one group, for columns [8 c0, 8 (c0 + V)), into acc
-// (float32 [ROWS][32]): for 2-3 rows, each weight vector rebuilt in registers and used by every row at once. The
-// words, d and m are read from L1 at each use (the asm barriers keep the compiler from holding them in registers it
-// needs for the ROWS x V accumulators); the order of the sums is one_row's.
-template <int ROWS, int V>
-void few_rows(const float* x, int64_t ldx, const uint8_t* group, int64_t blocks, int c0, float* acc_out) {
-  __m256 acc[ROWS][V];
-#pragma GCC unroll 3
-  for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+// Two rows of x (row stride ldx) times every block of one group -> acc (float32 [2][32]): each weight vector rebuilt
+// in registers and used by both rows (8 accumulators). The words, d and m are read from L1 at each use (the asm
+// barrier keeps the compiler from holding them in registers the accumulators need); the order of the sums is
+// one_row's.
+void two_rows(const float* x, int64_t ldx, const uint8_t* group, int64_t blocks, float* acc_out) {
+  __m256 acc[2][4];
+  for (int r = 0; r < 2; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi32(0xF);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = group + b * kBlockBytes;
-    if (c0 == 0)
-      for (int line = 0; line < kBlockBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + line), _MM_HINT_T0);
+    for (int line = 0; line < kBlockBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + line), _MM_HINT_T0);
     alignas(32) float d[kCols], m[kCols];
     for (int v = 0; v < 4; ++v) {
       _mm256_store_ps(d + 8 * v, half8(blk + 16 * v));
       _mm256_store_ps(m + 8 * v, half8(blk + 64 + 16 * v));
     }
-    const float* dp = d + 8 * c0;
-    const float* mp = m + 8 * c0;
-    const uint8_t* qs = blk + kScaleBytes + 32 * c0;
+    const float* dp = d;
+    const float* mp = m;
+    const uint8_t* qs = blk + kScaleBytes;
     for (int j = 0; j < 4; ++j, qs += 128) {
 #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) {
         asm volatile("" : "+r"(dp), "+r"(mp), "+r"(qs));
-        __m256 xk[ROWS];
-#pragma GCC unroll 3
-        for (int r = 0; r < ROWS; ++r) xk[r] = _mm256_broadcast_ss(x + r * ldx + b * kBlockK + 8 * j + i);
+        const int64_t k = b * kBlockK + 8 * j + i;
+        const __m256 x0 = _mm256_broadcast_ss(x + k), x1 = _mm256_broadcast_ss(x + ldx + k);
 #pragma GCC unroll 4
-        for (int v = 0; v < V; ++v) {
+        for (int v = 0; v < 4; ++v) {
           const __m256i word = _mm256_load_si256(reinterpret_cast<const __m256i*>(qs + 32 * v));
           const __m256i q = _mm256_and_si256(_mm256_srli_epi32(word, 4 * i), low4);
           const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_load_ps(dp + 8 * v), _mm256_load_ps(mp + 8 * v));
-#pragma GCC unroll 3
-          for (int r = 0; r < ROWS; ++r) acc[r][v] = _mm256_fmadd_ps(xk[r], w, acc[r][v]);
+          acc[0][v] = _mm256_fmadd_ps(x0, w, acc[0][v]);
+          acc[1][v] = _mm256_fmadd_ps(x1, w, acc[1][v]);
         }
       }
     }
   }
-#pragma GCC unroll 3
-  for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc_out + r * kCols + 8 * (c0 + v), acc[r][v]);
+  for (int r = 0; r < 2; ++r)
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc_out + r * kCols + 8 * v, acc[r][v]);
 }
 
 // One group-block rebuilt as float32 [32 k][32 columns] (k-major) into wf.
@@ -216,7 +209,7 @@ void linear_rows(const float* xf, int64_t ldx, int64_t m, const uint8_t* wp, int
       if (m == 1) {
         one_row(xf, group, blocks, acc);
       } else if (m == 2) {
-        few_rows<2, 4>(xf, ldx, group, blocks, 0, acc);
+        two_rows(xf, ldx, group, blocks, acc);
       } else {
         std::fill(acc, acc + m * kCols, 0.0f);
         for (int64_t b = 0; b < blocks; ++b) {
