@@ -50,12 +50,14 @@ def test_the_avx2_build_can_be_forced_but_not_a_missing_one(flags, monkeypatch):
 
 
 def test_builds_share_the_schemas_and_packing():
-    """Every build compiles csrc/ops.cpp (the schemas, the weight packing) and the ISA-neutral commit."""
+    """Every build compiles csrc/ops.cpp (the schemas, the weight packing), the ISA-neutral commit and its own
+    version of every operator; the AVX2 build also has the 4-bit block product (eaglespec.q4)."""
     for build in bf16gemm.ISAS.values():
         names = [source.name for source in build.sources]
         assert names[0] == "ops.cpp" and "commit_rows.cpp" in names and all(s.is_file() for s in build.sources)
+        extra = ["q4_gemm.cpp"] if build.name == "avx2" else []
         assert sorted(names) == sorted(["ops.cpp", "commit_rows.cpp", "bf16_gemm.cpp", "tree_attention.cpp",
-                                        "argmax_rows.cpp", "topk_rows.cpp", "screened_argmax.cpp"])
+                                        "argmax_rows.cpp", "topk_rows.cpp", "screened_argmax.cpp", *extra])
 
 
 def test_auto_dtype_is_bfloat16_where_the_kernels_run_compiled(monkeypatch):
