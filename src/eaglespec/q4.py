@@ -46,8 +46,7 @@ class Blocks:
 
     def weight(self) -> Tensor:
         """The float32 weights [N, K] they stand for (d q is exact in float32: 11 x 4 bits)."""
-        n, k = self.q.shape
-        d = self.d.float().repeat_interleave(BLOCK, dim=1)
+        d = self.d.float().repeat_interleave(BLOCK, dim=1)  # [N, K]
         m = self.m.float().repeat_interleave(BLOCK, dim=1)
         return d * self.q.float() + m
 
