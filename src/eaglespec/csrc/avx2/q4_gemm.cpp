@@ -115,7 +115,7 @@ void two_rows(const float* x, int64_t ldx, const uint8_t* group, int64_t blocks,
         const __m256 x0 = _mm256_broadcast_ss(x + k), x1 = _mm256_broadcast_ss(x + ldx + k);
 #pragma GCC unroll 4
         for (int v = 0; v < 4; ++v) {
-          const __m256i word = _mm256_load_si256(reinterpret_cast<const __m256i*>(qs + 32 * v));
+          const __m256i word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * v));
           const __m256i q = _mm256_and_si256(_mm256_srli_epi32(word, 4 * i), low4);
           const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_load_ps(dp + 8 * v), _mm256_load_ps(mp + 8 * v));
           acc[0][v] = _mm256_fmadd_ps(x0, w, acc[0][v]);
