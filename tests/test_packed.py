@@ -1,5 +1,7 @@
 """Linear layers pre-packed for oneDNN (eaglespec.packed) and their use in the fast path and the drafter."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -159,6 +161,31 @@ def test_eagle1_logits_are_packed_in_inference_mode_only(vocab):
     assert isinstance(head._rows[1], packed.PackedLinear)
     torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
     assert fast.shape == (3, vocab or VOCAB)
+
+
+def test_eagle1_logits_use_the_packer_the_drafter_sets():
+    """A drafter's kernel (bf16gemm.Int8Linear / Bf16Linear) packs the draft rows in inference mode whether or not
+    oneDNN could (it cannot for bfloat16 on a CPU without native bfloat16); training calls keep torch's product."""
+    model = make_model("llama")
+    target = TargetModel(model)
+    head = build_head(HeadConfig.for_target(target, "eagle1")).eval()
+    head.set_draft_vocab(torch.arange(0, VOCAB, 3))
+    packed_shapes = []
+
+    def packer(rows, bias):
+        packed_shapes.append(tuple(rows.shape))
+        return partial(F.linear, weight=rows.clone(), bias=bias)
+
+    head.pack_rows = packer
+    hidden = torch.randn(2, model.config.hidden_size)
+    with torch.no_grad():
+        plain = head.logits(hidden, target.lm_head)
+    assert packed_shapes == []
+    with torch.inference_mode():
+        first, again = head.logits(hidden, target.lm_head), head.logits(hidden, target.lm_head)
+    assert packed_shapes == [(len(range(0, VOCAB, 3)), model.config.hidden_size)]  # packed once, then reused
+    assert torch.equal(first, again)
+    torch.testing.assert_close(first, plain)
 
 
 def test_row_by_row_attention_leaves_every_step_key_in_its_row():

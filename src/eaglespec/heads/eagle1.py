@@ -27,11 +27,11 @@ class Eagle1Head(DraftHead):
         self.layers = nn.ModuleList([DecoderLayer(config.layer_shape())])
         # Target ids the draft scores ([Vd] long), None = the full vocabulary. Not part of the published weights.
         self.register_buffer("vocab_ids", None, persistent=False)
-        # ((weight storage, dtype, packed), [T, d] -> [T, Vd] product with the LM head's rows of the draft vocabulary)
+        # ((weight storage, dtype, packer), [T, d] -> [T, Vd] product with the LM head's rows of the draft vocabulary)
         self._rows: tuple[tuple, Callable[[Tensor], Tensor]] | None = None
-        # How those rows are packed: oneDNN (eaglespec.packed); the drafter sets eaglespec's bfloat16 kernel under
-        # --compile (eaglespec.bf16gemm.Bf16Linear)
-        self.pack_rows: Callable[[Tensor, Tensor | None], Callable[[Tensor], Tensor]] = packed.pack
+        # How those rows are packed in inference mode: None = oneDNN where it applies (eaglespec.packed); the drafter
+        # sets eaglespec's kernels under --compile (eaglespec.bf16gemm.Bf16Linear / Int8Linear)
+        self.pack_rows: Callable[[Tensor, Tensor | None], Callable[[Tensor], Tensor]] | None = None
 
     def set_draft_vocab(self, target_ids: Tensor | None) -> None:
         """Draft over these target token ids only ([Vd] long), or over the full vocabulary (None)."""
@@ -59,26 +59,36 @@ class Eagle1Head(DraftHead):
 
     def logits(self, hidden: Tensor, target_lm_head: nn.Module) -> Tensor:
         """[T, d] -> [T, Vd] (Vd = V without a draft vocabulary). In inference mode on a CPU the rows are packed
-        for oneDNN once (eaglespec.packed): a draft step multiplies a few rows, where that is 2-3x faster."""
+        once, for the drafter's kernel or oneDNN (`_row_packer`): a draft step multiplies a few rows, where that is
+        2-3x faster than torch's product."""
         weight = target_lm_head.weight  # [V, d]
-        fast = torch.is_inference_mode_enabled() and packed.available(weight.dtype, weight.device)
-        if self.vocab_ids is None and not fast:
+        pack = self._row_packer(weight)
+        if self.vocab_ids is None and pack is None:
             return target_lm_head(hidden)
-        key = (weight.data_ptr(), weight.dtype, fast)
+        key = (weight.data_ptr(), weight.dtype, pack)
         if self._rows is None or self._rows[0] != key:
             bias = getattr(target_lm_head, "bias", None)
             rows, bias = weight.detach(), None if bias is None else bias.detach()  # [V, d], [V]
             if self.vocab_ids is not None:
                 rows, bias = rows.index_select(0, self.vocab_ids), None if bias is None else bias[self.vocab_ids]
-            project = self.pack_rows(rows, bias) if fast else partial(F.linear, weight=rows.contiguous(), bias=bias)
+            project = pack(rows, bias) if pack is not None else partial(F.linear, weight=rows.contiguous(), bias=bias)
             self._rows = (key, project)
         return self._rows[1](hidden)
+
+    def _row_packer(self, weight: Tensor) -> Callable[[Tensor, Tensor | None], Callable[[Tensor], Tensor]] | None:
+        """How to pack the LM head's rows for this call: only in inference mode (training needs their gradient
+        path), with the drafter's kernel if it set one, else oneDNN where it applies, else not at all."""
+        if not torch.is_inference_mode_enabled():
+            return None
+        if self.pack_rows is not None:
+            return self.pack_rows
+        return packed.pack if packed.available(weight.dtype, weight.device) else None
 
     def share_packed_lm_head(self, weight: Tensor, project: Callable[[Tensor], Tensor]) -> None:
         """Draft over the full vocabulary with the target's own packed LM head (`project`, packed from `weight`)
         instead of packing a second copy of it. A later set_draft_vocab drops it."""
         if self.vocab_ids is None:
-            self._rows = ((weight.data_ptr(), weight.dtype, True), project)
+            self._rows = ((weight.data_ptr(), weight.dtype, packed.pack), project)
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         return draft_ids if self.vocab_ids is None else self.vocab_ids[draft_ids]
