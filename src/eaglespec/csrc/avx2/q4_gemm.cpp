@@ -14,12 +14,13 @@
 // 32 columns (float16, 64 bytes), then m (64 bytes), then the q as 4 octets x 4 vectors x 8 columns of uint32 (512
 // bytes), where uint32 lane c of vector v of octet j holds q[8 v + c][32 b + 8 j + i] in bits [4 i, 4 i + 4).
 //
-// One or two rows: 4 (8) accumulators of 8 columns, each weight vector rebuilt in registers (mask, convert, FMA) and
-// multiplied at once. Three or more rows: each group-block is rebuilt once into float32 (4 KB, in L1) and tiles of
-// up to 3 rows x 32 columns multiply from it (cheaper there than 2 + 1 or 2 + 2 rows rebuilt in registers, and than
-// 3 x 16-column tiles, on a 2-core Zen 3 VM: all products of a SmolLM2-135M step, 1 / 2 / 3 / 4 rows, ~5.4-7.4 /
-// 7.2-8.7 / 11.4-12.9 / 13.9-16.3 ms against 10.9-12.4 / 12.4-15.7 / 16.3-18.9 / 17.9-21.5 for the bfloat16 kernel,
-// the VM's timings moving by 20-40% between runs). Threads: at::parallel_for over column groups (torch's intra-op pool).
+// One or two rows: each weight vector rebuilt in registers (mask, convert, FMA) and multiplied at once (one row: 4
+// accumulators of 8 columns; two: 16-column halves of a block, see two_rows). Three or more rows: each group-block
+// is rebuilt once into float32 (4 KB, in L1) and tiles of up to 3 rows x 32 columns multiply from it (cheaper there
+// than 2 + 1 or 2 + 2 rows rebuilt in registers, and than 3 x 16-column tiles, on a 2-core Zen 3 VM: all products
+// of a SmolLM2-135M step, 1 / 2 / 3 / 4 rows, ~5.4-7.4 / 7.2-8.7 / 11.4-12.9 / 13.9-16.3 ms against 10.9-12.4 /
+// 12.4-15.7 / 16.3-18.9 / 17.9-21.5 for the bfloat16 kernel, the VM's timings moving by 20-40% between runs).
+// Threads: at::parallel_for over column groups (torch's intra-op pool).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -86,46 +87,50 @@ void one_row(const float* x, const uint8_t* group, int64_t blocks, float* acc_ou
   for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc_out + 8 * v, acc[v]);
 }
 
-// Two rows of x (row stride ldx) times every block of one group -> acc (float32 [2][32]): each weight vector rebuilt
-// in registers and used by both rows (8 accumulators). The words, d and m are read from L1 at each use (the asm
-// barrier keeps the compiler from holding them in registers the accumulators need); the order of the sums is
+// Two rows of x (row stride ldx) times every block of one group -> acc (float32 [2][32]), each block in two halves
+// of 16 columns: the half's d, m and nibble words stay in registers next to its 4 accumulators (reloaded from L1 once
+// a block and half), so rebuilding a weight vector loads nothing (a 2 x 32 tile's 8 accumulators left no registers
+// for them: ~10% slower on a 2-core Zen 3 VM, all 2-row products of a SmolLM2-135M step). The order of the sums is
 // one_row's.
 void two_rows(const float* x, int64_t ldx, const uint8_t* group, int64_t blocks, float* acc_out) {
-  __m256 acc[2][4];
-  for (int r = 0; r < 2; ++r)
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+  alignas(32) float acc[2 * kCols] = {};
   const __m256i low4 = _mm256_set1_epi32(0xF);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = group + b * kBlockBytes;
     for (int line = 0; line < kBlockBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + line), _MM_HINT_T0);
-    alignas(32) float d[kCols], m[kCols];
-    for (int v = 0; v < 4; ++v) {
-      _mm256_store_ps(d + 8 * v, half8(blk + 16 * v));
-      _mm256_store_ps(m + 8 * v, half8(blk + 64 + 16 * v));
-    }
-    const float* dp = d;
-    const float* mp = m;
-    const uint8_t* qs = blk + kScaleBytes;
-    for (int j = 0; j < 4; ++j, qs += 128) {
+    const float* xb = x + b * kBlockK;
+    for (int h = 0; h < 2; ++h) {
+      float* a0p = acc + 16 * h;
+      float* a1p = acc + kCols + 16 * h;
+      __m256 a00 = _mm256_load_ps(a0p), a01 = _mm256_load_ps(a0p + 8);
+      __m256 a10 = _mm256_load_ps(a1p), a11 = _mm256_load_ps(a1p + 8);
+      const __m256 d0 = half8(blk + 32 * h), d1 = half8(blk + 32 * h + 16);
+      const __m256 m0 = half8(blk + 64 + 32 * h), m1 = half8(blk + 64 + 32 * h + 16);
+      const uint8_t* qs = blk + kScaleBytes + 64 * h;
+      for (int j = 0; j < 4; ++j) {
+        __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 128 * j));
+        __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 128 * j + 32));
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) {
-        asm volatile("" : "+r"(dp), "+r"(mp), "+r"(qs));
-        const int64_t k = b * kBlockK + 8 * j + i;
-        const __m256 x0 = _mm256_broadcast_ss(x + k), x1 = _mm256_broadcast_ss(x + ldx + k);
-#pragma GCC unroll 4
-        for (int v = 0; v < 4; ++v) {
-          const __m256i word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * v));
-          const __m256i q = _mm256_and_si256(_mm256_srli_epi32(word, 4 * i), low4);
-          const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_load_ps(dp + 8 * v), _mm256_load_ps(mp + 8 * v));
-          acc[0][v] = _mm256_fmadd_ps(x0, w, acc[0][v]);
-          acc[1][v] = _mm256_fmadd_ps(x1, w, acc[1][v]);
+        for (int i = 0; i < 8; ++i) {
+          const __m256 x0 = _mm256_broadcast_ss(xb + 8 * j + i), x1 = _mm256_broadcast_ss(xb + ldx + 8 * j + i);
+          const __m256 v0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w0, low4)), d0, m0);
+          const __m256 v1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w1, low4)), d1, m1);
+          w0 = _mm256_srli_epi32(w0, 4);
+          w1 = _mm256_srli_epi32(w1, 4);
+          a00 = _mm256_fmadd_ps(x0, v0, a00);
+          a10 = _mm256_fmadd_ps(x1, v0, a10);
+          a01 = _mm256_fmadd_ps(x0, v1, a01);
+          a11 = _mm256_fmadd_ps(x1, v1, a11);
         }
       }
+      _mm256_store_ps(a0p, a00);
+      _mm256_store_ps(a0p + 8, a01);
+      _mm256_store_ps(a1p, a10);
+      _mm256_store_ps(a1p + 8, a11);
     }
   }
-  for (int r = 0; r < 2; ++r)
-    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc_out + r * kCols + 8 * v, acc[r][v]);
+  std::memcpy(acc_out, acc, sizeof(acc));
 }
 
 // One group-block rebuilt as float32 [32 k][32 columns] (k-major) into wf.
