@@ -92,6 +92,20 @@ def test_a_bfloat16_cache_gives_the_bits_of_its_float32_copy():
     assert torch.equal(half, full)
 
 
+def test_queries_are_read_through_their_strides():
+    """The compiled graphs hand over queries as a view of [n, H, hd] (the kernel reads them in place, no copy);
+    a view with a strided last dim is copied first. Every layout gives the contiguous queries' bits."""
+    n = len(TREE)
+    keys, values = cache(3, 40 + n, 64, seed=5)
+    rows_first = torch.randn(n, 9, 64)  # [n, H, hd]
+    expected = attend(rows_first.transpose(0, 1).contiguous(), keys, values, 40 + n, TREE.ancestor_mask())
+    wide = torch.randn(9, n, 128)
+    wide[:, :, ::2] = rows_first.transpose(0, 1)
+    for q in (rows_first.transpose(0, 1), wide[:, :, ::2]):
+        assert not q.is_contiguous()
+        assert torch.equal(attend(q, keys, values, 40 + n, TREE.ancestor_mask()), expected)
+
+
 def test_bad_input_is_a_clear_error():
     keys, values = cache(2, 8, 16, seed=0)
     keys = keys[:, :8].transpose(1, 2).contiguous()  # [2, 16, 8]: 8 keys, transposed

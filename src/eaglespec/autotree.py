@@ -52,13 +52,14 @@ CALIBRATION_TOP_K = 8
 TREE_SIZES = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # total_tokens candidates (root included)
 DEPTHS = tuple(range(1, CALIBRATION_DEPTH + 1))
 TOP_KS = (1, 2, 3, 4, 6, 8)
-VERSION = 14  # bump when the calibration changes meaning (3: bfloat16 packed, float32 attention; 4: draft time
+VERSION = 15  # bump when the calibration changes meaning (3: bfloat16 packed, float32 attention; 4: draft time
 # includes the round start, timed after a target forward; 5: --compile runs three graphs by tree size; 6: and
 # compiles the head step; 7: compiled bfloat16 products through eaglespec's own kernel, per-layer caches; 8: and
 # the head's, without guards on the compiled modules; 9: decode-step attention through eaglespec's kernel; 10:
 # the kernel's products of 7-64 rows stream the weights once; 11: its multiply loop is chosen per machine, and is
 # part of the key; 12: verify passes timed as greedy decoding runs them, with the screened LM head; 13: over real
-# text, not random tokens; 14: EAGLE-1 draft rows through the kernel on AVX2 too)
+# text, not random tokens; 14: EAGLE-1 draft rows through the kernel on AVX2 too; 15: compiled graphs keep small
+# fused loops on one thread, attention reads strided queries)
 
 
 @dataclass

@@ -61,6 +61,7 @@ from .errors import EagleSpecError
 
 RECOMPILE_LIMIT = 64  # graphs of DecodeStack.forward per process: three per compiled target
 GRAPH_KINDS = ("one", "small", "large")
+SERIAL_LOOP_ELEMENTS = 16384  # per thread, before inductor splits a fused loop over threads (compile_settings)
 SMALL_TREE = 4  # decode steps of 2..SMALL_TREE tokens get their own graph (see graph_kind)
 CONFLICT = ("--compile applies to the model's own weights with batched attention: drop --quantize / --exact, "
             "or --compile")
@@ -147,11 +148,17 @@ def compile_settings(autotune: bool, eager_roundings: bool = False):
     eager rounds it (after the residual adds, RoPE, ...). Without it inductor kept some intermediates in float32, and
     not in the same places in the one-token graph as in the tree graphs, so a verified row differed from the plain
     step in its last bits and greedy bfloat16 outputs drifted from plain decoding (1-3 of 8 MT-bench answers
-    identical; tests/test_tree_attention.py)."""
+    identical; tests/test_tree_attention.py).
+
+    `cpp.min_chunk_size` (SERIAL_LOOP_ELEMENTS): a fused loop runs on several threads only with that many elements
+    per thread. Inductor's default (512) split the norms, RoPE and SiLU loops of every step whose token count is
+    symbolic (the tree graphs) over both threads: an OpenMP parallel region ~5 times a layer for a few thousand
+    elements. A 2-token verify pass of SmolLM2-135M under torch.profiler (session 24): `## Call CompiledFxGraph` self
+    time 2.61 -> 2.35 ms a step (the one-token graph: 1.62-1.67)."""
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), torch._inductor.config.patch(
             freezing=True, max_autotune=autotune, max_autotune_gemm_backends="CPP,ATEN" if autotune else "ATEN",
             cpp_wrapper=True, size_asserts=False, alignment_asserts=False, scalar_asserts=False,
-            emulate_precision_casts=eager_roundings):
+            emulate_precision_casts=eager_roundings, **{"cpp.min_chunk_size": SERIAL_LOOP_ELEMENTS}):
         yield
 
 

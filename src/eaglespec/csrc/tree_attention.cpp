@@ -159,9 +159,16 @@ void weigh_values(const float* const* probs, const T* v, int64_t v_row, int64_t 
   }
 }
 
+// The step's queries [H, n, hd]: any head and row strides (the graph's RoPE output is often a view of [n, H, hd]).
+struct Queries {
+  const float* data;
+  int64_t head_stride, row_stride;
+  const float* at(int64_t h, int64_t r) const { return data + h * head_stride + r * row_stride; }
+};
+
 // One task: `count` pairs (h, r) of one key/value head.
 template <int P, typename T>
-void attend_pairs(const int64_t* hs, const int64_t* rs, const float* q, int64_t n, int64_t hd, const T* kt,
+void attend_pairs(const int64_t* hs, const int64_t* rs, const Queries& q, int64_t n, int64_t hd, const T* kt,
                   int64_t kt_row, const T* v, int64_t v_row, int64_t c, const std::vector<std::vector<int64_t>>& paths,
                   float scale, std::vector<float>& scratch, float* out) {
   const int64_t total = c + n, stride = total + kLanes;
@@ -175,7 +182,7 @@ void attend_pairs(const int64_t* hs, const int64_t* rs, const float* q, int64_t 
   int64_t lens[P];
   float inv[P];
   for (int p = 0; p < P; ++p) {
-    qs[p] = q + (hs[p] * n + rs[p]) * hd;
+    qs[p] = q.at(hs[p], rs[p]);
     outs[p] = out + (hs[p] * n + rs[p]) * hd;
   }
   score_keys<P>(qs, kt, kt_row, hd, total, raw, stride);
@@ -193,7 +200,7 @@ void attend_pairs(const int64_t* hs, const int64_t* rs, const float* q, int64_t 
 }
 
 template <typename T>
-void attend_task(int64_t count, const int64_t* hs, const int64_t* rs, const float* q, int64_t n, int64_t hd,
+void attend_task(int64_t count, const int64_t* hs, const int64_t* rs, const Queries& q, int64_t n, int64_t hd,
                  const T* kt, int64_t kt_row, const T* v, int64_t v_row, int64_t c,
                  const std::vector<std::vector<int64_t>>& paths, float scale, std::vector<float>& scratch, float* out) {
   switch (count) {
@@ -229,7 +236,7 @@ at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& keys_t, cons
     mask = step_mask->to(at::kBool).contiguous();
     TORCH_CHECK(mask.dim() == 2 && mask.size(0) == n && mask.size(1) == n, "tree_attention: step_mask must be [n, n]");
   }
-  const at::Tensor q = q_in.contiguous();
+  const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();  // (a view of [n, H, hd]: read in place)
   at::Tensor out = at::empty({heads, n, hd}, q.options());
   if (heads == 0 || n == 0) return out;
   // Per row: its visible step rows, ascending (its path).
@@ -244,7 +251,7 @@ at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& keys_t, cons
   const int64_t wanted = (2 * at::get_num_threads() + kv_heads - 1) / kv_heads;
   const int64_t tasks = std::min(per_head, std::max((per_head + kMaxPairs - 1) / kMaxPairs, wanted));
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const float* qp = q.data_ptr<float>();
+  const Queries qp{q.data_ptr<float>(), q.stride(0), q.stride(1)};
   float* op = out.data_ptr<float>();
   auto run = [&](const auto* kp, const auto* vp) {
     at::parallel_for(0, kv_heads * tasks, 1, [&](int64_t begin, int64_t end) {
