@@ -165,7 +165,7 @@ def test_auto_tree_engine_is_lossless_and_cached():
     assert 2 <= s.total_tokens <= 64 and 1 <= s.depth <= 8 and 1 <= s.top_k <= 8
     assert cache_path(engine, "dynamic").is_file()
     again = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2", tree="auto",
-                              fallback=False)  # reads the cache; a random head would otherwise fall back
+                              adapt=False)  # reads the cache; always drafts
     assert again.tree_choice.cached and again.drafter.settings == s
     prompt = [5, 17, 33, 2, 9, 40]
     assert engine.generate(prompt, max_new_tokens=20).tokens == vanilla_tokens(model, prompt, 20)
@@ -188,11 +188,10 @@ def test_tree_must_be_auto_or_settings():
 
 
 @pytest.mark.parametrize("expected, speculates", [(50.0, False), (150.0, True)])
-def test_auto_falls_back_to_plain_decoding_when_no_tree_pays(expected, speculates):
+def test_auto_adapts_starting_from_the_calibrated_choice(expected, speculates):
     import json
 
-    from eaglespec.autotree import TreeChoice
-    from eaglespec.drafters import VanillaDrafter
+    from eaglespec.adaptive import DRAFT, PLAIN, AdaptiveDrafter
 
     model = make_model("llama", seed=3)
     head = random_head(model, "eagle1")
@@ -204,10 +203,11 @@ def test_auto_falls_back_to_plain_decoding_when_no_tree_pays(expected, speculate
     path.write_text(json.dumps(choice.to_json()))
     engine = Engine.from_model(model, TinyTokenizer(), head=head, tree="auto")
     assert engine.tree_choice.cached and engine.tree_choice.speculate == speculates
-    assert isinstance(engine.drafter, VanillaDrafter) != speculates
-    assert engine.method == ("eagle2" if speculates else "vanilla")
-    forced = Engine.from_model(model, TinyTokenizer(), head=head, tree="auto", fallback=False)
-    assert forced.drafter.settings == choice.settings and not isinstance(forced.drafter, VanillaDrafter)
+    assert isinstance(engine.drafter, AdaptiveDrafter) and engine.method == "eagle2"
+    assert engine.drafter.policy.chosen == (DRAFT if speculates else PLAIN)
+    assert engine.drafter.settings == choice.settings
+    forced = Engine.from_model(model, TinyTokenizer(), head=head, tree="auto", adapt=False)
+    assert forced.drafter.settings == choice.settings and isinstance(forced.drafter, EagleDrafter)
     prompt = [5, 17, 33, 2, 9, 40]
     assert engine.generate(prompt, max_new_tokens=12).tokens == vanilla_tokens(model, prompt, 12)
 

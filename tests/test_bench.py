@@ -216,6 +216,37 @@ def test_sweep_runs_one_variant_per_value_and_plots_tokens_per_s(tmp_path):
     assert "## Sweep over total_tokens" in summary and "| eagle2 | 4 |" in summary and "| eagle2 | 6 |" in summary
 
 
+def test_adapt_adds_an_adaptive_variant_sharing_the_engine(tmp_path):
+    from eaglespec.adaptive import PLAIN, AdaptiveDrafter
+    from eaglespec.api import Engine
+    from eaglespec.autotree import TreeChoice, cache_path
+    from eaglespec.heads import load_head
+
+    model, tok = make_model("llama"), TinyTokenizer()
+    head1, _ = heads(model, tmp_path)
+    # a cached tree-auto choice that does not pay: the adaptive variant starts plain
+    probe = Engine.from_model(model, tok, head=load_head(head1))
+    choice = TreeChoice(TreeSettings(total_tokens=4, depth=2, top_k=2), 1.2, 50.0, {1: 10.0, 4: 12.0},
+                        {"2,2": 1.0}, [], 10)
+    cache_path(probe, "dynamic").parent.mkdir(parents=True, exist_ok=True)
+    cache_path(probe, "dynamic").write_text(json.dumps(choice.to_json()))
+    ctx = MethodContext(model=model, tokenizer=tok, model_name="tiny", tree="auto", head_dir=head1,
+                        eos_ids=eos_ids_of(model, tok), adapt=True)
+    methods = build_methods(["eagle2"], ctx)
+    assert [m.name for m in methods] == ["vanilla", "eagle2", "eagle2+adapt"]
+    eagle2, adaptive = methods[1:]
+    assert adaptive.engine is eagle2.engine and isinstance(adaptive.drafter, AdaptiveDrafter)
+    assert not isinstance(eagle2.drafter, AdaptiveDrafter) and adaptive.settings["adapt"] == {"start": PLAIN}
+    config = BenchConfig(dataset="tiny", max_new_tokens=MAX_NEW, repeats=1, warmup=0)
+    run_benchmark(methods, QUESTIONS, encode, decode, config, tmp_path / "out", progress=False, command=["t"])
+    rows = read_rows(tmp_path / "out" / RESULTS)
+    assert {r["variant"] for r in rows} == {"vanilla", "eagle2", "eagle2+adapt"}
+    assert all(r["equal_to_vanilla"] for r in rows)
+    by = {v: [r for r in rows if r["variant"] == v] for v in ("eagle2", "eagle2+adapt")}
+    assert all(r["drafted_forwards"] == r["target_forwards"] for r in by["eagle2"])
+    assert all(r["drafted_forwards"] < r["target_forwards"] for r in by["eagle2+adapt"])  # starts plain
+
+
 def test_unknown_method_and_bad_sweep_are_clear_errors():
     with pytest.raises(EagleSpecError, match="unknown method 'eagle9'"):
         parse_methods("vanilla,eagle9")
@@ -243,6 +274,8 @@ def test_cli_errors_name_the_unknown_method_dataset_or_bad_line(tmp_path, capsys
     assert "unknown method 'warp'" in capsys.readouterr().err
     assert main(["bench", "--methods", "vanilla", "--dataset", "no-such-set"]) == 2
     assert "unknown dataset 'no-such-set'" in capsys.readouterr().err
+    assert main(["bench", "--methods", "vanilla,eagle2", "--adapt", "--tree", "fixed"]) == 2
+    assert "--adapt applies to --tree auto" in capsys.readouterr().err
     bad = tmp_path / "q.jsonl"
     bad.write_text('{"question_id": 1, "category": "a", "turns": ["hi"]}\n{"question_id": 2, "turns": ["x"\n')
     assert main(["bench", "--methods", "vanilla", "--dataset", str(bad)]) == 2

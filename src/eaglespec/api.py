@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
 from .decode import Finished, GenerationStats, SpecDecoder, Step
 from .drafters import HEAD_METHODS, METHODS, Drafter, EagleDrafter, TreeSettings, VanillaDrafter
 from .errors import EagleSpecError
@@ -49,7 +50,7 @@ class Engine:
         draft_model: str | None = None,
         backend: str = "auto",
         draft_vocab: int | None = None,
-        fallback: bool = True,
+        adapt: bool = True,
         quantize: str | None = None,
         exact: bool = False,
         compile: bool = False,
@@ -58,8 +59,8 @@ class Engine:
         `TreeSettings`, or None (the defaults). `draft_vocab` (EAGLE-1 heads): size of the drafting vocabulary
         subset, None = the head's default, 0 = the full vocabulary. `dtype` "auto": bfloat16 on a GPU or a CPU with
         native bfloat16 (and with `compile` on a CPU with AVX2, where eaglespec's kernels read bfloat16 weights),
-        float32 elsewhere. `fallback`: with tree="auto", decode without a draft when no tree is
-        expected to beat plain decoding on this machine (the head is too weak for its cost here). `quantize`:
+        float32 elsewhere. `adapt`: with tree="auto", switch between drafting and plain decoding during
+        generation, whichever the last rounds measured faster (eaglespec.adaptive; False: always draft). `quantize`:
         "int8" / "int4" weight-only target on CPU (changes the model; output stays lossless w.r.t. it). `exact`:
         verify passes bit-identical to one-token steps in any dtype (each row attends as a one-token step does; fast
         path only).
@@ -85,12 +86,12 @@ class Engine:
                 head_module = load_head(head_dir, dtype=parse_dtype(dtype, device), device=device,
                                         draft_vocab=draft_vocab)
         self._setup(hf_model, tokenizer, head_module, method, tree, head_name=str(head), backend=backend,
-                    fallback=fallback, quantize=quantize, exact=exact, compile=compile)
+                    adapt=adapt, quantize=quantize, exact=exact, compile=compile)
 
     @classmethod
     def from_model(cls, hf_model, tokenizer, head: DraftHead | None = None, method: str = "eagle2",
                    tree: TreeSettings | str | None = None, draft_hf_model=None, backend: str = "auto",
-                   fallback: bool = True, quantize: str | None = None, exact: bool = False,
+                   adapt: bool = True, quantize: str | None = None, exact: bool = False,
                    compile: bool = False) -> "Engine":
         """Wrap an already loaded transformers model (and optionally a head, or a draft model for sps).
         `tree` as for `Engine()`, but None (the fixed defaults) by default."""
@@ -104,11 +105,11 @@ class Engine:
             raise EagleSpecError("method 'sps' needs a draft model")
         engine.draft_hf_model = draft_hf_model
         engine._setup(hf_model, tokenizer, head if method in HEAD_METHODS else None, method, tree, "the head",
-                      backend, fallback, quantize, exact, compile)
+                      backend, adapt, quantize, exact, compile)
         return engine
 
     def _setup(self, hf_model, tokenizer, head: DraftHead | None, method: str, tree: TreeSettings | str | None,
-               head_name: str, backend: str = "auto", fallback: bool = True, quantize: str | None = None,
+               head_name: str, backend: str = "auto", adapt: bool = True, quantize: str | None = None,
                exact: bool = False, compile: bool = False) -> None:
         if isinstance(tree, str) and tree != "auto":
             raise EagleSpecError(f"tree must be 'auto' or explicit settings, got '{tree}'")
@@ -127,12 +128,12 @@ class Engine:
 
             choice = self.tree_choice = auto_tree(self)
             self.notice = "; ".join(filter(None, [self.notice, choice.summary()]))
-            if fallback and not choice.speculate:
-                self.method = "vanilla"
-                self.decoder.drafter = VanillaDrafter()
-                self.target.feature_kind = None  # no head reads them any more
-                self.notice += ("; no tree beats plain decoding with this head on this machine, so decoding runs "
-                                "without a draft (--tree fixed or explicit tree settings force drafting)")
+            if adapt:
+                start = DRAFT if choice.speculate else PLAIN
+                self.decoder.drafter = AdaptiveDrafter(self.drafter, SwitchPolicy(start))
+                self.notice += (f"; adaptive: starts {'drafting' if start == DRAFT else 'without a draft'} and "
+                                "switches to whichever of drafting and plain decoding measures faster while it "
+                                "generates (--tree fixed or explicit tree settings always draft)")
 
     def _make_drafter(self, method: str, head: DraftHead | None, tree: TreeSettings | None,
                       head_name: str) -> Drafter:

@@ -115,7 +115,7 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def build_engine(args: argparse.Namespace):
-    """An Engine from the shared options; prints a notice when it had to fall back to vanilla."""
+    """An Engine from the shared options; prints its notice (the tree auto choice, adaptation, fallbacks)."""
     import torch
 
     from .api import Engine
@@ -144,8 +144,10 @@ def _stream_to_terminal(engine, prompt, args) -> object:
             print(item.text, end="", flush=True)
     print()
     s = result.stats
+    drafted = (f", {s.drafted_forwards} of {s.target_forwards} steps drafted"
+               if engine.method != "vanilla" and s.drafted_forwards < s.target_forwards else "")
     print(f"[{s.new_tokens} tokens in {s.total_time:.2f}s: {s.tokens_per_s:.1f} tokens/s, tau {s.tau:.2f}, "
-          f"method {engine.method}, {s.finish_reason}]", file=sys.stderr)
+          f"method {engine.method}{drafted}, {s.finish_reason}]", file=sys.stderr)
     return result
 
 

@@ -37,6 +37,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     target_forwards: int = 0  # verify forwards after the prefill
+    drafted_forwards: int = 0  # of those, forwards of a drafted tree (the others: plain steps, e.g. adaptive)
     accept_lengths: list[int] = field(default_factory=list)  # accepted + 1 per verify forward
     drafted_per_depth: list[int] = field(default_factory=list)  # [d-1]: verify steps whose tree reached depth d
     accepted_per_depth: list[int] = field(default_factory=list)  # [d-1]: of those, steps that accepted depth d
@@ -251,6 +252,7 @@ class SpecDecoder:
             tree_size = len(tree)
             t_draft, t_verify = t1 - t0, t2 - t1
             stats.target_forwards += 1
+            stats.drafted_forwards += tree_size > 1
             stats.draft_time += t_draft
             stats.verify_time += t_verify
             tree_depth = tree.max_depth

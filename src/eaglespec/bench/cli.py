@@ -34,6 +34,9 @@ def register(subparsers, model_options, sampling_options) -> None:
     g.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and method (median kept)")
     g.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method")
     g.add_argument("--sweep", default=None, help="tree setting sweep, e.g. total_tokens=8,16,32")
+    g.add_argument("--adapt", action="store_true",
+                   help="with --tree auto, also time each tree-auto method (eagle2, eagle3, chain) switching between "
+                        "drafting and plain decoding as generate does (rows '<method>+adapt')")
     g.add_argument("--head3", default="auto", help="EAGLE-3 head folder for the eagle3 method ('auto' = shipped)")
     g.add_argument("--out", default=None, help="output folder (default bench-DATASET-TIME)")
     g.add_argument("--force", action="store_true", help="overwrite an existing results.jsonl in --out")
@@ -110,6 +113,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     tree = tree_from_args(args)
+    if args.adapt and tree != "auto":
+        raise EagleSpecError("--adapt applies to --tree auto: drop --tree fixed and the explicit tree settings")
     head, head3 = _head_dirs(args)
 
     dtype = parse_dtype(args.dtype, compile=args.compile)
@@ -120,7 +125,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         threads=torch.get_num_threads(), eos_ids=eos_ids_of(model, tokenizer),
                         backend=getattr(args, "backend", "auto"), draft_vocab=args.draft_vocab,
                         quantize=None if args.quantize == "none" else args.quantize, exact=args.exact,
-                        compile=args.compile)
+                        compile=args.compile, adapt=args.adapt)
     if requested.strip() == "all":
         skipped = [(n, unavailable_reason(n, ctx)) for n in names]
         for n, reason in skipped:
@@ -146,7 +151,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         settings={"model": args.model, "dtype": str(dtype).removeprefix("torch."),
                   "threads": torch.get_num_threads(),
                   "backend": getattr(args, "backend", "auto"), "quantize": args.quantize, "exact": args.exact,
-                  "compile": args.compile,
+                  "compile": args.compile, "adapt": args.adapt,
                   "tree": tree if tree == "auto" else {"total_tokens": tree.total_tokens, "depth": tree.depth,
                                                        "top_k": tree.top_k},
                   "draft_vocab": args.draft_vocab,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
 from ..drafters import TreeSettings
 from ..errors import EagleSpecError, MissingPackageError
 
@@ -57,6 +58,7 @@ class RunOutput:
     wall_time: float  # seconds, whole call
     tau: float | None = None  # tokens per target forward (bonus included); None when the method cannot tell
     target_forwards: int | None = None
+    drafted_forwards: int | None = None  # target forwards of a drafted tree (adaptive variants also run plain ones)
     drafted_per_depth: list[int] | None = None
     accepted_per_depth: list[int] | None = None
     accept_lengths: list[int] | None = None
@@ -90,11 +92,14 @@ def cut_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
 class LoopMethod(BenchMethod):
     """One of our methods: an `Engine` around the shared model."""
 
-    def __init__(self, name: str, method: str, engine, settings: dict, sweep: dict | None = None):
+    def __init__(self, name: str, method: str, engine, settings: dict, sweep: dict | None = None, drafter=None):
+        """`drafter`: this variant's drafter in the engine's loop (default: the engine's own), e.g. the adaptive
+        one over the same EAGLE drafter, so variants share one compiled target."""
         super().__init__(name, method, "ours", settings, sweep)
-        self.engine = engine
+        self.engine, self.drafter = engine, drafter or engine.drafter
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling) -> RunOutput:
+        self.engine.decoder.drafter = self.drafter
         t0 = time.perf_counter()
         result = self.engine.generate(list(prompt_ids), max_new_tokens=max_new_tokens,
                                       temperature=sampling.temperature, top_p=sampling.top_p,
@@ -102,6 +107,7 @@ class LoopMethod(BenchMethod):
         wall = time.perf_counter() - t0
         s = result.stats
         return RunOutput(tokens=list(result.tokens), wall_time=wall, tau=s.tau, target_forwards=s.target_forwards,
+                         drafted_forwards=s.drafted_forwards,
                          drafted_per_depth=list(s.drafted_per_depth), accepted_per_depth=list(s.accepted_per_depth),
                          accept_lengths=list(s.accept_lengths), prefill_time=s.prefill_time,
                          draft_time=s.draft_time, verify_time=s.verify_time)
@@ -203,6 +209,7 @@ class MethodContext:
     quantize: str | None = None  # our loop's weight-only target quantization (see eaglespec.quant)
     exact: bool = False  # our loop's decode steps attend row by row (eaglespec.fastpath.make_target)
     compile: bool = False  # our loop's target decode steps through torch.compile (eaglespec.compiled)
+    adapt: bool = False  # with tree auto: also time each tree-auto method adaptively ("<method>+adapt")
 
 
 def parse_methods(text: str) -> list[str]:
@@ -328,7 +335,7 @@ def build_methods(names: list[str], ctx: MethodContext, sweep: tuple[str, list[i
             tree = ctx.tree if value is None else TreeSettings(**{**_tree_dict(base), sweep[0]: value})
             engine = Engine.from_model(ctx.model, ctx.tokenizer, head=head, method=engine_method, tree=tree,
                                        draft_hf_model=ctx.draft_model if name == "sps" else None,
-                                       backend=ctx.backend, fallback=False, quantize=ctx.quantize,
+                                       backend=ctx.backend, adapt=False, quantize=ctx.quantize,
                                        exact=ctx.exact, compile=ctx.compile)
             settings = {"target": type(engine.target).__name__, "quantize": ctx.quantize}
             if name != "vanilla":
@@ -351,4 +358,8 @@ def build_methods(names: list[str], ctx: MethodContext, sweep: tuple[str, list[i
                 settings["draft_model"] = getattr(ctx.draft_model.config, "_name_or_path", "") or "draft model"
             label = name if value is None else f"{name}@{sweep[0]}={value}"
             methods.append(LoopMethod(label, name, engine, settings, None if value is None else {sweep[0]: value}))
+            if ctx.adapt and engine.tree_choice is not None and value is None:
+                start = DRAFT if engine.tree_choice.speculate else PLAIN
+                methods.append(LoopMethod(f"{name}+adapt", name, engine, {**settings, "adapt": {"start": start}},
+                                          drafter=AdaptiveDrafter(engine.drafter, SwitchPolicy(start))))
     return methods

@@ -20,7 +20,7 @@ REQUIRED_FIELDS = {
     "method": str, "variant": str, "kind": str, "question_id": (str, int), "category": str, "turn": int,
     "new_tokens": int, "wall_time": (int, float), "tokens_per_s": (int, float),
 }
-OPTIONAL_NUMBER_FIELDS = ("tau", "speedup", "target_forwards", "draft_time", "verify_time", "prefill_time",
+OPTIONAL_NUMBER_FIELDS = ("tau", "speedup", "target_forwards", "drafted_forwards", "draft_time", "verify_time", "prefill_time",
                           "peak_rss_mb", "wall_time_min", "wall_time_max")
 
 
@@ -63,6 +63,7 @@ def make_row(method, question, turn: int, prompt_tokens: int, runs: list[RunOutp
         "speedup": None,  # filled by the runner once vanilla's row for this prompt is known
         "tau": rep.tau,
         "target_forwards": rep.target_forwards,
+        "drafted_forwards": rep.drafted_forwards,
         "accept_lengths": rep.accept_lengths,
         "drafted_per_depth": rep.drafted_per_depth,
         "accepted_per_depth": rep.accepted_per_depth,

@@ -1,0 +1,139 @@
+"""Online adaptation: draft or decode plainly, whichever the last rounds measured faster.
+
+Whether drafting pays depends on the machine (how much a verify pass of several tokens costs against one) and on
+the text (how much of it the head predicts): on a CPU where it is close, `--tree auto`'s one-off calibration can
+be right for its prompts and wrong for the user's. `AdaptiveDrafter` wraps an EAGLE drafter and, round by round,
+either drafts with it or proposes nothing (a plain decoding step through the same loop). `SwitchPolicy` keeps the
+speed of each mode over its last few rounds, stays with the faster one, and measures the other again every
+`period` tokens. The output never depends on the mode (verification is lossless either way), only the speed.
+
+While decoding plainly the head does not run: the target features of the committed tokens are kept, and the head
+reads them all in one batched catch-up when drafting resumes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from .drafters import Drafter
+from .tree import DraftTree
+
+DRAFT, PLAIN = "draft", "plain"
+
+
+class SwitchPolicy:
+    """Which mode the next round runs in, from the measured speed of recent rounds.
+
+    Each mode keeps its last `window` rounds (tokens committed, seconds). A mode's speed is its mean tokens per
+    round over the median round time (medians: a round stalled by the caller does not swing the choice). The
+    faster mode is `chosen`; after `period` tokens in it, the other mode is measured again for `window` rounds
+    (a probe), then the faster of the two is chosen. A probe costs at most `window` rounds at the slower speed.
+    """
+
+    def __init__(self, start: str = DRAFT, window: int = 8, period: int = 64):
+        if start not in (DRAFT, PLAIN):
+            raise ValueError(f"start must be '{DRAFT}' or '{PLAIN}', got {start!r}")
+        if window < 1 or period < 1:
+            raise ValueError("window and period must be positive")
+        self.window, self.period = window, period
+        self.rounds: dict[str, deque[tuple[int, float]]] = {m: deque(maxlen=window) for m in (DRAFT, PLAIN)}
+        self.chosen = start
+        self.probing: str | None = None
+        self.since_probe = 0  # tokens committed since the other mode was last measured
+        self.switches = 0  # probes started and choices changed (for reports)
+
+    @staticmethod
+    def other(mode: str) -> str:
+        return PLAIN if mode == DRAFT else DRAFT
+
+    def speed(self, mode: str) -> float | None:
+        """Tokens per second of `mode` over its recent rounds; None before it has a full window."""
+        rounds = self.rounds[mode]
+        if len(rounds) < self.window:
+            return None
+        tokens = sum(t for t, _ in rounds) / len(rounds)
+        return tokens / max(statistics.median(s for _, s in rounds), 1e-9)
+
+    def observe(self, mode: str, tokens: int, seconds: float) -> None:
+        """A round of `mode` committed `tokens` in `seconds` (from one draft call to the next)."""
+        self.rounds[mode].append((tokens, seconds))
+        self.since_probe += tokens
+
+    def next_mode(self) -> str:
+        if self.probing is not None:
+            if self.speed(self.probing) is None:
+                return self.probing
+            self.probing = None  # the probe is complete: choose again
+            best = max((DRAFT, PLAIN), key=lambda m: self.speed(m) or 0.0)
+            if best != self.chosen:
+                self.chosen, self.switches = best, self.switches + 1
+            self.since_probe = 0
+        other = self.other(self.chosen)
+        stale = self.speed(other) is None or self.since_probe >= self.period
+        if stale and self.speed(self.chosen) is not None:
+            self.probing = other
+            self.rounds[other].clear()  # measure it afresh
+            return other
+        return self.chosen
+
+    def summary(self) -> str:
+        def fmt(mode: str) -> str:
+            s = self.speed(mode)
+            return "?" if s is None else f"{s:.1f}"
+
+        return f"adaptive: drafting {fmt(DRAFT)} tokens/s, plain {fmt(PLAIN)} lately; {self.chosen} chosen"
+
+
+class AdaptiveDrafter(Drafter):
+    """Drafts with `inner` (an `EagleDrafter`, or any drafter) or proposes only the root, as `policy` decides
+    before each round.
+
+    A round is timed from one `draft` call to the next, so it includes the verify pass and the loop's own work:
+    the speed the caller sees. The first round of a generation and the first drafted round after plain ones (the
+    head's batched catch-up) are not timed: they cost once per switch, not per round.
+    """
+
+    def __init__(self, inner: Drafter, policy: SwitchPolicy | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.inner, self.policy, self.clock = inner, policy or SwitchPolicy(), clock
+        self.name, self.needs_features = inner.name, inner.needs_features
+        self.reset()
+
+    @property
+    def settings(self):
+        """The inner drafter's tree settings (None for drafters without)."""
+        return getattr(self.inner, "settings", None)
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.pending: list[Tensor] = []  # features [k, F] of committed positions the head has not read
+        self.last_call: float | None = None
+        self.last_mode: str | None = None
+        self.last_length = 0  # tokens (committed + root) at the last call
+        self.timed = False  # whether the round that ends at the next call is to be timed
+
+    def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
+        now = self.clock()
+        if self.timed:  # the round that just ended committed the tokens after the previous root
+            self.policy.observe(self.last_mode, tokens.numel() - self.last_length, now - self.last_call)
+        mode = self.policy.next_mode()
+        if new_features is not None:
+            self.pending.append(new_features)
+        if mode == PLAIN:
+            tree = DraftTree.root_only(int(tokens[-1]))
+            self.timed = True
+        else:
+            features = None
+            if self.pending:
+                features = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending)
+            self.pending = []
+            tree = self.inner.draft(tokens, features)
+            self.timed = self.last_mode == DRAFT  # else the head caught up on the prompt or on plain rounds
+        self.last_mode, self.last_call, self.last_length = mode, now, tokens.numel()
+        return tree

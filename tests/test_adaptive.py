@@ -1,0 +1,135 @@
+"""Online adaptation (eaglespec.adaptive): the switch policy follows measured speeds, and switching between
+drafting and plain decoding never changes the output (greedy: token for token; sampled: the distribution)."""
+
+import pytest
+import torch
+
+from eaglespec import Engine, TreeSettings
+from eaglespec.adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
+from eaglespec.decode import SpecDecoder
+from eaglespec.target import TargetModel
+
+from conftest import TinyTokenizer, make_model
+from test_engine import PROMPTS, random_head, vanilla_tokens
+from test_sampling import PARAMS, PROMPT, RUNS, WorstFirstDrafter, chi_square_p_value, exact_distribution
+
+
+def feed(policy: SwitchPolicy, seconds: dict[str, float], tokens: dict[str, int], rounds: int) -> list[str]:
+    """Run `rounds` rounds with fixed per-mode costs; return the mode of each."""
+    modes = []
+    for _ in range(rounds):
+        mode = policy.next_mode()
+        modes.append(mode)
+        policy.observe(mode, tokens[mode], seconds[mode])
+    return modes
+
+
+def test_policy_settles_on_the_faster_mode_and_probes_the_other_every_period():
+    policy = SwitchPolicy(start=DRAFT, window=4, period=40)
+    # drafting: 2 tokens in 15 ms (133/s); plain: 1 token in 10 ms (100/s)
+    modes = feed(policy, {DRAFT: 0.015, PLAIN: 0.010}, {DRAFT: 2, PLAIN: 1}, 200)
+    assert modes[:4] == [DRAFT] * 4 and modes[4:8] == [PLAIN] * 4  # measure the start mode, then probe the other
+    assert policy.chosen == DRAFT and policy.speed(DRAFT) == pytest.approx(2 / 0.015)
+    assert modes[8:28] == [DRAFT] * 20  # 40 tokens at 2 a round before the next probe
+    assert modes[28:32] == [PLAIN] * 4
+    assert 0.1 < modes.count(PLAIN) / len(modes) < 0.2  # one probe of 4 rounds per 20 drafted ones
+
+
+def test_policy_switches_when_the_speeds_change():
+    policy = SwitchPolicy(start=DRAFT, window=4, period=20)
+    feed(policy, {DRAFT: 0.015, PLAIN: 0.010}, {DRAFT: 2, PLAIN: 1}, 60)
+    assert policy.chosen == DRAFT
+    # the text gets harder to predict: drafting now commits 1 token a round
+    modes = feed(policy, {DRAFT: 0.015, PLAIN: 0.010}, {DRAFT: 1, PLAIN: 1}, 60)
+    assert policy.chosen == PLAIN and policy.switches >= 1
+    assert modes[-30:].count(PLAIN) > modes[-30:].count(DRAFT)
+    # and easier again
+    feed(policy, {DRAFT: 0.015, PLAIN: 0.010}, {DRAFT: 3, PLAIN: 1}, 80)
+    assert policy.chosen == DRAFT
+
+
+def test_policy_ignores_a_stalled_round():
+    policy = SwitchPolicy(start=PLAIN, window=5, period=1000)
+    feed(policy, {DRAFT: 0.015, PLAIN: 0.010}, {DRAFT: 1, PLAIN: 1}, 10)
+    assert policy.chosen == PLAIN
+    policy.observe(DRAFT, 1, 0.014)
+    policy.observe(PLAIN, 1, 5.0)  # the caller paused once
+    assert policy.speed(PLAIN) == pytest.approx(100.0) and policy.next_mode() == PLAIN
+
+
+def test_policy_rejects_bad_settings():
+    with pytest.raises(ValueError, match="start"):
+        SwitchPolicy(start="fast")
+    with pytest.raises(ValueError, match="positive"):
+        SwitchPolicy(window=0)
+
+
+class StepClock:
+    """A fake clock: each round costs what its mode costs (read from the drafter when the next round starts)."""
+
+    def __init__(self, costs: dict[str, float]):
+        self.costs, self.now, self.drafter = costs, 0.0, None
+
+    def __call__(self) -> float:
+        if self.drafter.last_mode is not None:
+            self.now += self.costs[self.drafter.last_mode]
+        return self.now
+
+
+def adaptive_engine(model, head, costs: dict[str, float], window=2, period=3) -> Engine:
+    engine = Engine.from_model(model, TinyTokenizer(), head=head, tree=TreeSettings(total_tokens=6, depth=3, top_k=2))
+    clock = StepClock(costs)
+    engine.decoder.drafter = clock.drafter = AdaptiveDrafter(engine.drafter, SwitchPolicy(DRAFT, window, period),
+                                                             clock=clock)
+    return engine
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_switching_modes_keeps_greedy_output_equal_to_vanilla(arch, kind):
+    model = make_model(arch)
+    # equal costs: drafting wins whenever it commits more than one token a round, so the modes keep alternating
+    engine = adaptive_engine(model, random_head(model, kind), {DRAFT: 1.0, PLAIN: 1.0})
+    drafted = plain = 0
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, max_new_tokens=30)
+        assert result.tokens == vanilla_tokens(model, prompt, 30), (arch, kind, prompt)
+        drafted += result.stats.drafted_forwards
+        plain += result.stats.target_forwards - result.stats.drafted_forwards
+    assert drafted > 5 and plain > 5  # both modes ran, and the head caught up across plain stretches
+
+
+def test_adaptive_engine_prefers_plain_decoding_when_drafting_is_slow():
+    model = make_model("llama")
+    engine = adaptive_engine(model, random_head(model, "eagle1"), {DRAFT: 10.0, PLAIN: 1.0}, window=2, period=12)
+    result = engine.generate(PROMPTS[0], max_new_tokens=60)
+    assert result.tokens == vanilla_tokens(model, PROMPTS[0], 60)
+    assert engine.drafter.policy.chosen == PLAIN
+    assert result.stats.drafted_forwards < 0.4 * result.stats.target_forwards  # probes only
+
+
+class Alternating(SwitchPolicy):
+    """Plain and drafted rounds in turn, whatever they measure (a generation here is only one or two rounds)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def next_mode(self) -> str:
+        self.count += 1
+        return (DRAFT, PLAIN)[self.count % 2]
+
+
+def test_switching_modes_keeps_the_sampled_distribution():
+    model = make_model("llama", seed=7, layers=2)
+    exact = exact_distribution(model, 3)
+    drafter = AdaptiveDrafter(WorstFirstDrafter(model), Alternating())
+    decoder = SpecDecoder(TargetModel(model, feature_kind=None), TinyTokenizer(), drafter, eos_token_ids=[])
+    samples, trees = [], []
+    for seed in range(RUNS):
+        params = type(PARAMS)(PARAMS.temperature, PARAMS.top_p, PARAMS.top_k, seed=seed)
+        *steps, finished = decoder.stream(PROMPT, max_new_tokens=3, sampling=params)
+        samples.append(tuple(finished.tokens))
+        trees += [s.tree_size for s in steps[1:]]
+    assert chi_square_p_value(samples, exact) > 1e-3
+    assert trees.count(1) > 0.2 * len(trees) and len(trees) - trees.count(1) > 0.2 * len(trees)
