@@ -1,6 +1,7 @@
 """Per decoding step of a bench run: tokens, draft, verify (the target's pass, acceptance, cache commit, features)
 and the rest (emitting and streaming the tokens, the call around the loop) in milliseconds, from its results.jsonl
-(our own methods; the prefill is left out). Before session 19 this script subtracted the prefill from the verify
+(our own methods, one line per variant, e.g. eagle2 and eagle2+adapt; the prefill is left out; "drafted": the
+share of steps that verified a drafted tree, from session 25's runs on). Before session 19 this script subtracted the prefill from the verify
 time, which never included it, so "verify" was short and "rest" long by prefill / steps (~0.3-0.6 ms).
 
     python benchmarks/scripts/step_breakdown.py benchmarks/runs/mtbench-80q-256-s18-compile
@@ -16,15 +17,17 @@ for line in (Path(sys.argv[1]) / "results.jsonl").read_text().splitlines():
     row = json.loads(line)
     if row.get("kind") != "ours" or not row.get("target_forwards"):
         continue
-    t = totals[row["method"]]
+    t = totals[row.get("variant", row["method"])]
     t["steps"] += row["target_forwards"]
+    t["drafted"] += row.get("drafted_forwards") or 0
     t["tokens"] += row["new_tokens"]
     t["wall"] += row["wall_time"] - row["prefill_time"]
     t["draft"] += row["draft_time"]
     t["verify"] += row["verify_time"]  # (the loop's verify passes; the prefill is timed on its own)
 
-print("| method | tokens per step | draft | verify | rest | total (ms) |\n|---|---|---|---|---|---|")
+print("| method | tokens per step | drafted | draft | verify | rest | total (ms) |\n|---|---|---|---|---|---|---|")
 for method, t in totals.items():
     ms = {k: 1e3 * t[k] / t["steps"] for k in ("draft", "verify", "wall")}
-    print(f"| {method} | {t['tokens'] / t['steps']:.2f} | {ms['draft']:.2f} | {ms['verify']:.2f} | "
+    drafted = f"{t['drafted'] / t['steps']:.0%}" if t["drafted"] or method == "vanilla" else "-"
+    print(f"| {method} | {t['tokens'] / t['steps']:.2f} | {drafted} | {ms['draft']:.2f} | {ms['verify']:.2f} | "
           f"{ms['wall'] - ms['draft'] - ms['verify']:.2f} | {ms['wall']:.2f} |")
