@@ -97,8 +97,8 @@ class AdaptiveDrafter(Drafter):
     before each round.
 
     A round is timed from one `draft` call to the next, so it includes the verify pass and the loop's own work:
-    the speed the caller sees. The first round of a generation and the first drafted round after plain ones (the
-    head's batched catch-up) are not timed: they cost once per switch, not per round.
+    the speed the caller sees. A drafted round right after the prefill or after plain rounds is not timed: its
+    head catches up on the prompt or on the skipped positions in one batch, a cost once per switch, not per round.
     """
 
     def __init__(self, inner: Drafter, policy: SwitchPolicy | None = None,

@@ -65,6 +65,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
+    from ..cli import tree_from_args
+
     for name in ("limit", "per_category", "turns", "repeats"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -77,6 +79,8 @@ def _check(args: argparse.Namespace) -> None:
         raise EagleSpecError("bench does not take --stop: every method stops at end-of-sequence or the length limit")
     if args.method and args.methods:
         raise EagleSpecError("give either --methods or --method, not both")
+    if args.adapt and tree_from_args(args) != "auto":
+        raise EagleSpecError("--adapt applies to --tree auto: drop --tree fixed and the explicit tree settings")
 
 
 def _head_dirs(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
@@ -113,8 +117,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     tree = tree_from_args(args)
-    if args.adapt and tree != "auto":
-        raise EagleSpecError("--adapt applies to --tree auto: drop --tree fixed and the explicit tree settings")
     head, head3 = _head_dirs(args)
 
     dtype = parse_dtype(args.dtype, compile=args.compile)
