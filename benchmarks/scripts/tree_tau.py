@@ -25,7 +25,7 @@ from eaglespec import Engine, TreeSettings
 from eaglespec.autotree import record_candidates
 from eaglespec.bench.datasets import load_questions
 
-SETTINGS = ((4, 2, 4), (6, 2, 4), (6, 3, 4), (8, 3, 4), (16, 5, 4), (24, 6, 6), (32, 6, 8), (48, 7, 8), (60, 6, 10), (60, 8, 10), (64, 10, 10))
+SETTINGS = ((2, 1, 1), (3, 2, 1), (3, 1, 2), (4, 2, 4), (6, 2, 4), (6, 3, 4), (8, 3, 4), (16, 5, 4), (24, 6, 6), (32, 6, 8), (48, 7, 8), (60, 6, 10), (60, 8, 10), (64, 10, 10))
 
 
 def main() -> None:

@@ -5,8 +5,9 @@ Q4_1 tensor every block of 32 consecutive input channels of a row is d q + m wit
 the float32 weights carry 5 bits of information per weight while bfloat16 stores 16 and rounds them. `find_blocks`
 recovers (d, m, q) from the float32 weights and checks that they rebuild every weight bit for bit; where they do,
 `Q4Linear` multiplies through csrc/avx2/q4_gemm.cpp, which reads 20 bytes per 32 weights (instead of 64 in bfloat16)
-and rebuilds each float32 weight exactly before its FMA. Nothing is approximated: these products are those of the
-float32 model's weights (closer to it than bfloat16 ones), with bfloat16 activations as in the bfloat16 kernel.
+and sums each block as d sum(x q) + m sum(x), every product x q exact. Nothing is approximated beyond float32
+rounding: these products are those of the float32 model's weights (closer to it than bfloat16 ones), with bfloat16
+activations as in the bfloat16 kernel, and a row gets the same bits whatever else is in the call.
 
 Used by `--compile` bfloat16 targets where the AVX2 build of the kernels runs (`available`); $EAGLESPEC_Q4=0 turns
 it off (the layers then use the bfloat16 kernel). Weights without the form (a model from safetensors, a Q8_0 or K-quant

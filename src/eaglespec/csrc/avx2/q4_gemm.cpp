@@ -2,24 +2,29 @@
 // y[M, N] = x[M, K] W[N, K]^T (+ b), where every block of 32 consecutive k of a row of W is exactly d q + m with
 // q in [0, 15] and d, m float16 (llama.cpp's Q4_1 form; eaglespec.q4 finds it in float32 weights and packs it).
 //
-// Lossless: the kernel rebuilds each float32 weight exactly, fmaf(d, q, m) (d q has at most 15 significant bits, so
-// the one rounding is that of the sum, as in gguf's float32 dequantization d q + m), then multiplies with the FMA loop
-// of csrc/avx2/bf16_gemm.cpp: the ordered sum over k of x[k] w[k], rounded after every FMA, plus bias, rounded once to
-// bfloat16. Where the weights are bfloat16 values too, the result has bf16_linear's bits, and a row gets the same bits
-// whatever the number of rows in the call (row-invariant). Why: a decode step of a small model on a few cores is bound
-// by reading its weights; 20 bytes per 32 weights here against 64 in bfloat16 (SmolLM2-135M's layers: 66 MB a step
-// instead of 212).
+// Why: a decode step of a small model on a few cores is bound by reading its weights; 20 bytes per 32 weights here
+// against 64 in bfloat16 (SmolLM2-135M's layers: 66 MB a step instead of 212).
+//
+// The sum over a block factors: sum_k x[k] (d q[k] + m) = d S + m X with S = sum_k x[k] q[k] and X = sum_k x[k], so a
+// weight costs no rebuild, only its q as a float: a mask, a convert and one FMA per row for 8 weights (rebuilding
+// d q + m first took a shift and a second FMA more, and two rows waited on 4 FMA chains). Nibble i of a packed word
+// is masked in place, which leaves q 16^i (exact in float32), against x[k] 16^-i (exact: a power of two; the rows
+// are scaled once a call); the last nibble is shifted down instead (q 16^7 does not fit an int32). S sums even and
+// odd k apart (2 R V independent FMA chains for R rows and V vectors of 8 columns), then per block
+// acc = fma(m, X, fma(d, S_even + S_odd, acc)), then bias, rounded once to bfloat16. Every product x[k] q[k] is exact
+// and every row goes through the same sums in the same order whatever the number of rows in the call: a row gets the
+// same bits alone or in a verify pass (row-invariant), which keeps speculative decoding exactly plain decoding. The
+// result is the float32 product of the exact 4-bit weights to float32 rounding (not bit for bit the bfloat16 kernel's).
 //
 // Packed layout (q4_pack in eaglespec/q4.py): [N/32 groups][K/32 blocks][640 bytes]; a group-block holds d of its
 // 32 columns (float16, 64 bytes), then m (64 bytes), then the q as 4 octets x 4 vectors x 8 columns of uint32 (512
 // bytes), where uint32 lane c of vector v of octet j holds q[8 v + c][32 b + 8 j + i] in bits [4 i, 4 i + 4).
 //
-// One or two rows: each weight vector rebuilt in registers (mask, convert, FMA) and multiplied at once (one row: 4
-// accumulators of 8 columns; two: 16-column halves of a block, see two_rows). Three or more rows: each group-block
-// is rebuilt once into float32 (4 KB, in L1) and tiles of up to 3 rows x 32 columns multiply from it (cheaper there
-// than 2 + 1 or 2 + 2 rows rebuilt in registers, and than 3 x 16-column tiles, on a 2-core Zen 3 VM: all products
-// of a SmolLM2-135M step, 1 / 2 / 3 / 4 rows, ~5.4-7.4 / 7.2-8.7 / 11.4-12.9 / 13.9-16.3 ms against 10.9-12.4 /
-// 12.4-15.7 / 16.3-18.9 / 17.9-21.5 for the bfloat16 kernel, the VM's timings moving by 20-40% between runs).
+// Rows go through in passes of up to 4 (5 rows = 2 + 3), the later passes reading the group from L1/L2. One row
+// takes a block's 4 vectors at once, more rows fewer (their partial sums need the registers). All products of a
+// SmolLM2-135M step (benchmarks/scripts/q4_cost.py, 2 threads, a 2-core Zen 3 VM whose speed moves by 20-40% between
+// runs; interleaved with the previous rebuild-and-multiply version in one process): 1 / 2 / 4 rows 10-15% / 15-20% /
+// ~10% faster, 6-8 rows ~10-15% slower (the earlier version rebuilt each block once into L1 for those).
 // Threads: at::parallel_for over column groups (torch's intra-op pool).
 
 #include <ATen/ATen.h>
@@ -29,6 +34,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -39,154 +45,106 @@ constexpr int64_t kCols = 32;                   // output columns per group: 4 v
 constexpr int64_t kBlockK = 32;                 // k per block (one d and m per column)
 constexpr int64_t kBlockBytes = 640;            // 64 d + 64 m + 512 q
 constexpr int64_t kScaleBytes = 128;
-constexpr int64_t kTileRows = 3;                // rows per tile over a rebuilt block
+constexpr int64_t kPassRows = 4;                // rows per pass over a group
 constexpr int64_t kMaxM = 64;                   // rows per pass over the weights; longer inputs take several
 constexpr int64_t kAhead = 4 * kBlockBytes;     // software prefetch distance: four blocks ahead
+// x[k] 16^-i for nibble i = k mod 8 (the masked nibble is q 16^i); the last nibble is shifted down, so 1
+constexpr float kNibbleScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
 
 inline __m256 half8(const uint8_t* p) {  // 8 float16 -> 8 float32 (exact)
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Row x (float32, K values) times every block of one group -> acc (float32 [32]).
-void one_row(const float* x, const uint8_t* group, int64_t blocks, float* acc_out) {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  const __m256i low4 = _mm256_set1_epi32(0xF);
+// R rows times the V vectors of 8 columns from vector c0 of one group, every block -> acc_out[r][8 c0 ..] (float32,
+// row stride kCols). xs: the rows scaled by kNibbleScale, row stride ldx; xsum [R][blocks]: each block's input sum X.
+template <int R, int V>
+void rows_in_registers(const float* xs, int64_t ldx, const float* xsum, int64_t blocks, const uint8_t* group, int c0,
+                       float* acc_out) {
+  __m256 acc[R][V];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = group + b * kBlockBytes;
-    for (int line = 0; line < kBlockBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + line),
-                                                                     _MM_HINT_T0);
-    __m256 d[4];
-    alignas(32) float m[kCols];
-    for (int v = 0; v < 4; ++v) {
-      d[v] = half8(blk + 16 * v);
-      _mm256_store_ps(m + 8 * v, half8(blk + 64 + 16 * v));
-    }
-    const float* mp = m;
-    const float* xb = x + b * kBlockK;
+    if (c0 == 0)
+      for (int line = 0; line < kBlockBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + line), _MM_HINT_T0);
+    __m256 s[2][R][V];  // partial sums of even and odd k: 2 R V independent FMA chains
+#pragma GCC unroll 2
+    for (int e = 0; e < 2; ++e)
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) s[e][r][v] = _mm256_setzero_ps();
+    const float* xb = xs + b * kBlockK;
     const uint8_t* qs = blk + kScaleBytes;
     for (int j = 0; j < 4; ++j) {
-      __m256i words[4];
+      __m256i words[V];
 #pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) words[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (4 * j + v) * 32));
+      for (int v = 0; v < V; ++v)
+        words[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (4 * j + c0 + v) * 32));
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) {  // k = 32 b + 8 j + i: the low nibble, then shift the next one down
-        // m is read from L1 at each use (an FMA's memory operand): the compiler would otherwise hold d, m, the words
-        // and the accumulators in 16 + 2 registers and spill accumulators, whose chain then waits on the stack
-        asm volatile("" : "+r"(mp));
-        const __m256 xk = _mm256_broadcast_ss(xb + 8 * j + i);
+      for (int i = 0; i < 8; ++i) {  // k = 32 b + 8 j + i
+        __m256 xk[R];
 #pragma GCC unroll 4
-        for (int v = 0; v < 4; ++v) {
-          const __m256i q = _mm256_and_si256(words[v], low4);
-          words[v] = _mm256_srli_epi32(words[v], 4);
-          const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d[v], _mm256_load_ps(mp + 8 * v));
-          acc[v] = _mm256_fmadd_ps(xk, w, acc[v]);
+        for (int r = 0; r < R; ++r) xk[r] = _mm256_broadcast_ss(xb + r * ldx + 8 * j + i);
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) {
+          const __m256i q = i < 7 ? _mm256_and_si256(words[v], _mm256_set1_epi32(0xF << (4 * i)))
+                                  : _mm256_srli_epi32(words[v], 28);
+          const __m256 qf = _mm256_cvtepi32_ps(q);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) s[i & 1][r][v] = _mm256_fmadd_ps(xk[r], qf, s[i & 1][r][v]);
         }
       }
     }
-  }
-  for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc_out + 8 * v, acc[v]);
-}
-
-// Two rows of x (row stride ldx) times every block of one group -> acc (float32 [2][32]), each block in two halves
-// of 16 columns: the half's d, m and nibble words stay in registers next to its 4 accumulators (reloaded from L1 once
-// a block and half), so rebuilding a weight vector loads nothing (a 2 x 32 tile's 8 accumulators left no registers
-// for them: ~10% slower on a 2-core Zen 3 VM, all 2-row products of a SmolLM2-135M step). The order of the sums is
-// one_row's.
-void two_rows(const float* x, int64_t ldx, const uint8_t* group, int64_t blocks, float* acc_out) {
-  alignas(32) float acc[2 * kCols] = {};
-  const __m256i low4 = _mm256_set1_epi32(0xF);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = group + b * kBlockBytes;
-    for (int line = 0; line < kBlockBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + line), _MM_HINT_T0);
-    const float* xb = x + b * kBlockK;
-    for (int h = 0; h < 2; ++h) {
-      float* a0p = acc + 16 * h;
-      float* a1p = acc + kCols + 16 * h;
-      __m256 a00 = _mm256_load_ps(a0p), a01 = _mm256_load_ps(a0p + 8);
-      __m256 a10 = _mm256_load_ps(a1p), a11 = _mm256_load_ps(a1p + 8);
-      const __m256 d0 = half8(blk + 32 * h), d1 = half8(blk + 32 * h + 16);
-      const __m256 m0 = half8(blk + 64 + 32 * h), m1 = half8(blk + 64 + 32 * h + 16);
-      const uint8_t* qs = blk + kScaleBytes + 64 * h;
-      for (int j = 0; j < 4; ++j) {
-        __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 128 * j));
-        __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 128 * j + 32));
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) {
-          const __m256 x0 = _mm256_broadcast_ss(xb + 8 * j + i), x1 = _mm256_broadcast_ss(xb + ldx + 8 * j + i);
-          const __m256 v0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w0, low4)), d0, m0);
-          const __m256 v1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w1, low4)), d1, m1);
-          w0 = _mm256_srli_epi32(w0, 4);
-          w1 = _mm256_srli_epi32(w1, 4);
-          a00 = _mm256_fmadd_ps(x0, v0, a00);
-          a10 = _mm256_fmadd_ps(x1, v0, a10);
-          a01 = _mm256_fmadd_ps(x0, v1, a01);
-          a11 = _mm256_fmadd_ps(x1, v1, a11);
-        }
-      }
-      _mm256_store_ps(a0p, a00);
-      _mm256_store_ps(a0p + 8, a01);
-      _mm256_store_ps(a1p, a10);
-      _mm256_store_ps(a1p + 8, a11);
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) {
+      const __m256 d = half8(blk + 16 * (c0 + v)), m = half8(blk + 64 + 16 * (c0 + v));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+        acc[r][v] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum + r * blocks + b),
+                                    _mm256_fmadd_ps(d, _mm256_add_ps(s[0][r][v], s[1][r][v]), acc[r][v]));
     }
   }
-  std::memcpy(acc_out, acc, sizeof(acc));
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc_out + r * kCols + 8 * (c0 + v), acc[r][v]);
 }
 
-// One group-block rebuilt as float32 [32 k][32 columns] (k-major) into wf.
-void rebuild_block(const uint8_t* blk, float* wf) {
-  const __m256i low4 = _mm256_set1_epi32(0xF);
-  __m256 d[4], m[4];
-  for (int v = 0; v < 4; ++v) {
-    d[v] = half8(blk + 16 * v);
-    m[v] = half8(blk + 64 + 16 * v);
+// All 32 columns of a group for R <= kPassRows rows: one row reads a block's 4 vectors at once; more rows take
+// narrower passes (their partial sums need the registers; the compiler spills the accumulators, read once a block).
+template <int R>
+void group_rows(const float* xs, int64_t ldx, const float* xsum, int64_t blocks, const uint8_t* group, float* acc) {
+  constexpr int V = R == 1 ? 4 : R == 2 ? 2 : 1;
+  for (int c0 = 0; c0 < 4; c0 += V) rows_in_registers<R, V>(xs, ldx, xsum, blocks, group, c0, acc);
+}
+
+void group_rows(int64_t rows, const float* xs, int64_t ldx, const float* xsum, int64_t blocks, const uint8_t* group,
+                float* acc) {
+  switch (rows) {
+    case 1: return group_rows<1>(xs, ldx, xsum, blocks, group, acc);
+    case 2: return group_rows<2>(xs, ldx, xsum, blocks, group, acc);
+    case 3: return group_rows<3>(xs, ldx, xsum, blocks, group, acc);
+    case 4: return group_rows<4>(xs, ldx, xsum, blocks, group, acc);
+    default: TORCH_CHECK(false, "q4_linear: ", rows, " rows in registers");
   }
+}
+
+// One group-block's q as float32 [32 k][32 columns] (k-major) into qf (for q4_unpack).
+void unpack_block(const uint8_t* blk, float* qf) {
+  const __m256i low4 = _mm256_set1_epi32(0xF);
   const uint8_t* qs = blk + kScaleBytes;
   for (int j = 0; j < 4; ++j)
 #pragma GCC unroll 4
     for (int v = 0; v < 4; ++v) {
       __m256i word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (4 * j + v) * 32));
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i, word = _mm256_srli_epi32(word, 4)) {
-        const __m256i q = _mm256_and_si256(word, low4);
-        _mm256_store_ps(wf + (8 * j + i) * kCols + 8 * v, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d[v], m[v]));
-      }
+      for (int i = 0; i < 8; ++i, word = _mm256_srli_epi32(word, 4))
+        _mm256_store_ps(qf + (8 * j + i) * kCols + 8 * v, _mm256_cvtepi32_ps(_mm256_and_si256(word, low4)));
     }
-}
-
-// Rows [0, ROWS) of x (row stride ldx, offset to the block's first k) times a rebuilt block wf, accumulated into acc
-// (float32 [ROWS][32]).
-template <int ROWS>
-void tile(const float* x, int64_t ldx, const float* wf, float* acc_mem) {
-  __m256 acc[ROWS][4];
-#pragma GCC unroll 3
-  for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_loadu_ps(acc_mem + r * kCols + 8 * v);
-  for (int64_t k = 0; k < kBlockK; ++k) {
-    __m256 xk[ROWS];
-#pragma GCC unroll 3
-    for (int r = 0; r < ROWS; ++r) xk[r] = _mm256_broadcast_ss(x + r * ldx + k);
-#pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) {
-      const __m256 w = _mm256_load_ps(wf + k * kCols + 8 * v);
-#pragma GCC unroll 3
-      for (int r = 0; r < ROWS; ++r) acc[r][v] = _mm256_fmadd_ps(xk[r], w, acc[r][v]);
-    }
-  }
-#pragma GCC unroll 3
-  for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc_mem + r * kCols + 8 * v, acc[r][v]);
-}
-
-void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* wf, float* acc_mem) {
-  switch (rows) {
-    case 1: return tile<1>(x, ldx, wf, acc_mem);
-    case 2: return tile<2>(x, ldx, wf, acc_mem);
-    case 3: return tile<3>(x, ldx, wf, acc_mem);
-    default: TORCH_CHECK(false, "q4_linear: tile of ", rows, " rows");
-  }
 }
 
 // float32 -> bfloat16 bits, rounded to nearest even; NaN stays a quiet NaN (csrc/avx2/bf16_gemm.cpp's rounding).
@@ -197,34 +155,22 @@ inline uint16_t to_bf16(float value) {
   return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-// Rows [0, m) of xf (m <= kMaxM) times every group -> y [m, n] bfloat16.
-void linear_rows(const float* xf, int64_t ldx, int64_t m, const uint8_t* wp, int64_t groups, int64_t blocks,
-                 int64_t n, const float* bp, uint16_t* yp) {
-  const int64_t tiles = (m + kTileRows - 1) / kTileRows;  // near-equal: 4 rows = 2 + 2
-  int64_t tile_size[(kMaxM + kTileRows - 1) / kTileRows];
-  for (int64_t t = 0, row = 0; t < tiles; ++t) {
-    tile_size[t] = (m - row) / (tiles - t);
-    row += tile_size[t];
+// Rows [0, m) (m <= kMaxM) times every group -> y [m, n] bfloat16. xs: the rows scaled by kNibbleScale (row stride
+// ldx); xsum [m][blocks]: their block sums.
+void linear_rows(const float* xs, const float* xsum, int64_t ldx, int64_t m, const uint8_t* wp,
+                 int64_t groups, int64_t blocks, int64_t n, const float* bp, uint16_t* yp) {
+  const int64_t chunks = (m + kPassRows - 1) / kPassRows;  // near-equal: 5 rows = 2 + 3
+  int64_t chunk_size[(kMaxM + kPassRows - 1) / kPassRows];
+  for (int64_t c = 0, row = 0; c < chunks; ++c) {
+    chunk_size[c] = (m - row) / (chunks - c);
+    row += chunk_size[c];
   }
   at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
     alignas(32) float acc[kMaxM * kCols];
-    alignas(32) float wf[kBlockK * kCols];
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* group = wp + g * blocks * kBlockBytes;
-      if (m == 1) {
-        one_row(xf, group, blocks, acc);
-      } else if (m == 2) {
-        two_rows(xf, ldx, group, blocks, acc);
-      } else {
-        std::fill(acc, acc + m * kCols, 0.0f);
-        for (int64_t b = 0; b < blocks; ++b) {
-          const uint8_t* blk = group + b * kBlockBytes;
-          _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead), _MM_HINT_T0);
-          rebuild_block(blk, wf);
-          for (int64_t t = 0, row = 0; t < tiles; row += tile_size[t], ++t)
-            tile_rows(tile_size[t], xf + row * ldx + b * kBlockK, ldx, wf, acc + row * kCols);
-        }
-      }
+      for (int64_t c = 0, row = 0; c < chunks; row += chunk_size[c], ++c)
+        group_rows(chunk_size[c], xs + row * ldx, ldx, xsum + row * blocks, blocks, group, acc + row * kCols);
       const int64_t col = g * kCols, columns = std::min(kCols, n - col);
       for (int64_t r = 0; r < m; ++r)
         for (int64_t c = 0; c < columns; ++c)
@@ -258,33 +204,47 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  std::unique_ptr<float[]> x_float(new float[std::min(kMaxM, m) * k]);  // exact copies of the bfloat16 inputs
+  const int64_t blocks = k / kBlockK, chunk = std::min(kMaxM, m);
+  std::unique_ptr<float[]> xf(new float[chunk * k]), xs(new float[chunk * k]), xsum(new float[chunk * blocks]);
   for (int64_t row = 0; row < m; row += kMaxM) {  // each row's sums are independent of the chunk it is in
     const int64_t rows = std::min(kMaxM, m - row);
-    for (int64_t i = 0; i < rows * k; ++i) {
+    for (int64_t i = 0; i < rows * k; ++i) {  // exact float32 copies of the bfloat16 inputs
       const uint32_t bits = static_cast<uint32_t>(xp[row * k + i]) << 16;
-      std::memcpy(&x_float[i], &bits, sizeof(bits));
+      std::memcpy(&xf[i], &bits, sizeof(bits));
+      xs[i] = xf[i] * kNibbleScale[i % 8];
     }
-    linear_rows(x_float.get(), k, rows, packed.data_ptr<uint8_t>(), packed.size(0), packed.size(1), n, bp,
+    for (int64_t i = 0; i < rows * blocks; ++i) {  // in order of k
+      float sum = 0.0f;
+      for (int64_t kk = 0; kk < kBlockK; ++kk) sum += xf[i * kBlockK + kk];
+      xsum[i] = sum;
+    }
+    linear_rows(xs.get(), xsum.get(), k, rows, packed.data_ptr<uint8_t>(), packed.size(0), blocks, n, bp,
                 yp + row * n);
   }
   return y;
 }
 
-// The float32 weights [n, K] the kernel multiplies by (its own rebuild_block): to check the packing against a
-// reference dequantization.
+// The float32 weights [n, K] the packing holds, fmaf(d, q, m) (gguf's float32 dequantization): to check the
+// packing against it.
 at::Tensor q4_unpack(const at::Tensor& packed, int64_t n, int64_t k) {
   check_packed(packed, n, k);
   const int64_t groups = packed.size(0), blocks = packed.size(1);
   at::Tensor w = at::empty({groups * kCols, k}, at::kFloat);
-  alignas(32) float wf[kBlockK * kCols];
+  alignas(32) float qf[kBlockK * kCols];
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* out = w.data_ptr<float>();
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t b = 0; b < blocks; ++b) {
-      rebuild_block(wp + (g * blocks + b) * kBlockBytes, wf);
+      const uint8_t* blk = wp + (g * blocks + b) * kBlockBytes;
+      unpack_block(blk, qf);
+      alignas(32) float d[kCols], m[kCols];
+      for (int v = 0; v < 4; ++v) {
+        _mm256_store_ps(d + 8 * v, half8(blk + 16 * v));
+        _mm256_store_ps(m + 8 * v, half8(blk + 64 + 16 * v));
+      }
       for (int64_t kk = 0; kk < kBlockK; ++kk)
-        for (int64_t c = 0; c < kCols; ++c) out[(g * kCols + c) * k + b * kBlockK + kk] = wf[kk * kCols + c];
+        for (int64_t c = 0; c < kCols; ++c)
+          out[(g * kCols + c) * k + b * kBlockK + kk] = std::fmaf(d[c], qf[kk * kCols + c], m[c]);
     }
   return w.narrow(0, 0, n).contiguous();
 }
