@@ -78,6 +78,32 @@ def test_oracle_tree_with_decoys_finds_the_true_branch(arch):
     assert finished.stats.accept_lengths == [depth + 1] * 6
 
 
+@pytest.mark.parametrize("total_tokens,top_k", [(2, 8), (4, 3), (6, 10), (12, 4)])
+def test_depth_one_trees_are_the_roots_best_children(total_tokens, top_k):
+    """EAGLE-2 at depth 1 takes the root's best children directly: the tree the general expand-and-rerank path
+    builds from the same distribution, and greedy output still equals plain decoding."""
+    model = make_model("llama")
+    engine = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle1"), method="eagle2",
+                               tree=TreeSettings(total_tokens=total_tokens, depth=1, top_k=top_k))
+    with torch.inference_mode():
+        engine.target.reset()
+        prompt = torch.tensor(PROMPTS[0])
+        out = engine.target.forward(prompt)
+        root = int(out.logits[-1].argmax())
+        grow = engine.drafter.start_round(torch.cat([prompt, torch.tensor([root])]), out.features)
+        fast = grow.dynamic(total_tokens=total_tokens, depth=1, top_k=top_k)
+        general = grow.restart()
+        ids, vals = general._top_children(general.root_logp, top_k)
+        for token, value in zip(ids, vals):
+            general._add(0, token, value)
+        reference = general._rerank(total_tokens - 1)
+    assert fast.tokens.tolist() == reference.tokens.tolist() and fast.parents.tolist() == reference.parents.tolist()
+    assert torch.equal(fast.scores, reference.scores)
+    assert len(fast.tokens) == min(total_tokens, top_k + 1)
+    for prompt in PROMPTS:
+        assert engine.generate(prompt, max_new_tokens=16).tokens == vanilla_tokens(model, prompt, 16)
+
+
 def test_many_prompts_eagle2_equals_vanilla():
     model = make_model("qwen2", seed=3)
     engine = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle1", seed=4), method="eagle2",

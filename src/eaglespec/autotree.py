@@ -59,7 +59,8 @@ VERSION = 15  # bump when the calibration changes meaning (3: bfloat16 packed, f
 # the kernel's products of 7-64 rows stream the weights once; 11: its multiply loop is chosen per machine, and is
 # part of the key; 12: verify passes timed as greedy decoding runs them, with the screened LM head; 13: over real
 # text, not random tokens; 14: EAGLE-1 draft rows through the kernel on AVX2 too; 15: compiled graphs keep small
-# fused loops on one thread, attention reads strided queries)
+# fused loops on one thread, attention reads strided queries; since then the kernels' source digest is part of the
+# key, so a kernel change alone needs no bump)
 
 
 @dataclass
@@ -317,6 +318,8 @@ def _target_key(target: TargetModel) -> str:
                      str(getattr(target, "row_invariant", False)), str(getattr(target, "compiled", False)),
                      bf16gemm.variant() if getattr(target, "bf16_gemm", False) else "-",
                      bf16gemm.isa().name if getattr(target, "attention_kernel", False) else "-",
+                     # the kernels' sources: a change to a product or the attention changes the costs measured
+                     bf16gemm.source_digest() if getattr(target, "bf16_gemm", False) else "-",
                      f"q4x{getattr(target, 'q4_matrices', 0)}",
                      getattr(target.config, "_name_or_path", ""), str(target.num_layers), str(target.hidden_size),
                      machine_key()])

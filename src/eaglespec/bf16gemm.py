@@ -199,7 +199,7 @@ def variant() -> str:
         return loops[0]
     load()
     threads = torch.get_num_threads()
-    machine = f"{cpu_model()}|{' '.join(sorted(cpu_flags()))}|{_source_digest()}"
+    machine = f"{cpu_model()}|{' '.join(sorted(cpu_flags()))}|{source_digest()}"
     path = cache_root() / "kernels" / f"{hashlib.sha1(machine.encode()).hexdigest()[:20]}.json"
     try:
         chosen = json.loads(path.read_text())["variant"]
@@ -221,7 +221,8 @@ def variant() -> str:
     return chosen
 
 
-def _source_digest() -> str:
+def source_digest() -> str:
+    """A short digest of the kernels' sources for this CPU (part of cached measurements' keys)."""
     build = isa()
     sources = build.sources if build is not None else ()
     return hashlib.sha1(b"".join(source.read_bytes() for source in sources)).hexdigest()[:12]
