@@ -20,11 +20,12 @@
 // 32 columns (float16, 64 bytes), then m (64 bytes), then the q as 4 octets x 4 vectors x 8 columns of uint32 (512
 // bytes), where uint32 lane c of vector v of octet j holds q[8 v + c][32 b + 8 j + i] in bits [4 i, 4 i + 4).
 //
-// Rows go through in passes of up to 4 (5 rows = 2 + 3), the later passes reading the group from L1/L2. One row
+// Rows go through in passes of up to 4 (6 rows = 4 + 2), the later passes reading the group from L1/L2. One row
 // takes a block's 4 vectors at once, more rows fewer (their partial sums need the registers). All products of a
-// SmolLM2-135M step (benchmarks/scripts/q4_cost.py, 2 threads, a 2-core Zen 3 VM whose speed moves by 20-40% between
-// runs; interleaved with the previous rebuild-and-multiply version in one process): 1 / 2 / 4 rows 10-15% / 15-20% /
-// ~10% faster, 6-8 rows ~10-15% slower (the earlier version rebuilt each block once into L1 for those).
+// SmolLM2-135M step against the previous rebuild-and-multiply version (benchmarks/scripts/q4_ab.py, both built into
+// one process and called alternately, 2 threads, a 2-core Zen 3 VM whose speed moves by 20-40%): 1-2 rows 3-15%
+// cheaper (more when the VM is fast), 4 rows 10-14%, 6-8 rows ~10% dearer (that version rebuilt each block once into
+// L1 for 3 or more rows; here a block's scaling is per row and pass).
 // Threads: at::parallel_for over column groups (torch's intra-op pool).
 
 #include <ATen/ATen.h>
@@ -159,18 +160,13 @@ inline uint16_t to_bf16(float value) {
 // ldx); xsum [m][blocks]: their block sums.
 void linear_rows(const float* xs, const float* xsum, int64_t ldx, int64_t m, const uint8_t* wp,
                  int64_t groups, int64_t blocks, int64_t n, const float* bp, uint16_t* yp) {
-  const int64_t chunks = (m + kPassRows - 1) / kPassRows;  // near-equal: 5 rows = 2 + 3
-  int64_t chunk_size[(kMaxM + kPassRows - 1) / kPassRows];
-  for (int64_t c = 0, row = 0; c < chunks; ++c) {
-    chunk_size[c] = (m - row) / (chunks - c);
-    row += chunk_size[c];
-  }
   at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
     alignas(32) float acc[kMaxM * kCols];
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* group = wp + g * blocks * kBlockBytes;
-      for (int64_t c = 0, row = 0; c < chunks; row += chunk_size[c], ++c)
-        group_rows(chunk_size[c], xs + row * ldx, ldx, xsum + row * blocks, blocks, group, acc + row * kCols);
+      for (int64_t row = 0; row < m; row += kPassRows)  // 4-row passes are the cheapest per row: 6 rows = 4 + 2
+        group_rows(std::min(kPassRows, m - row), xs + row * ldx, ldx, xsum + row * blocks, blocks, group,
+                   acc + row * kCols);
       const int64_t col = g * kCols, columns = std::min(kCols, n - col);
       for (int64_t r = 0; r < m; ++r)
         for (int64_t c = 0; c < columns; ++c)
