@@ -215,6 +215,9 @@ class TreeGrowth:
     def dynamic(self, total_tokens: int, depth: int, top_k: int) -> DraftTree:
         """EAGLE-2: expand the top_k best-scoring frontier nodes per level, then keep the total_tokens - 1
         best candidates overall (a child never outscores its parent, so they form a tree)."""
+        if depth == 1:  # the root's best children, best first, are that tree (CPU trees often are): no bookkeeping
+            ids, vals = self._top_children(self.root_logp, min(top_k, total_tokens - 1))
+            return DraftTree.from_lists([self.tokens[0]] + ids, [-1] + [0] * len(ids), [0.0] + vals)
         frontier = []
         ids, vals = self._top_children(self.root_logp, top_k)
         for t, v in zip(ids, vals):
