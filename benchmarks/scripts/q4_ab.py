@@ -16,11 +16,10 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch.utils.cpp_extension import load
 
 from eaglespec import bf16gemm, q4
-from eaglespec.models import load_target
+from step_matrices import step_matrices
 
 SOURCE = "src/eaglespec/csrc/avx2/q4_gemm.cpp"
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,15 +48,7 @@ load("q4_ab", [str(work / f"q4ab{i}.cpp") for i in range(len(builds))], build_di
      extra_cflags=list(bf16gemm.ISAS["avx2"].flags), extra_ldflags=["-fopenmp"], is_python_module=False)
 ops = {name: getattr(torch.ops, ns).q4_linear for name, ns in namespaces.items()}
 
-model, _ = load_target("smollm2-135m", "float32")
-checkpoint = safe_open(str(Path(model.name_or_path) / "model.safetensors"), framework="pt")
-matrices = []
-for layer in range(model.config.num_hidden_layers):
-    def weight(name: str) -> torch.Tensor:
-        return checkpoint.get_tensor(f"model.layers.{layer}.{name}.weight")
-    matrices += [torch.cat([weight("self_attn.q_proj"), weight("self_attn.k_proj"), weight("self_attn.v_proj")]),
-                 weight("self_attn.o_proj"), torch.cat([weight("mlp.gate_proj"), weight("mlp.up_proj")]),
-                 weight("mlp.down_proj")]
+matrices = step_matrices()
 layers = [q4.Q4Linear(q4.find_blocks(w)) for w in matrices]
 torch.manual_seed(0)
 inputs = {k: torch.randn(16, k).bfloat16() for k in (576, 1536)}

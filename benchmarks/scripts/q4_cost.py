@@ -10,13 +10,11 @@ Prints the median milliseconds of all layer products of a step (the LM head is n
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from eaglespec import bf16gemm, q4
-from eaglespec.models import load_target
+from step_matrices import step_matrices
 
 p = argparse.ArgumentParser()
 p.add_argument("--threads", type=int, default=2)
@@ -26,15 +24,7 @@ args = p.parse_args()
 torch.set_num_threads(args.threads)
 if not q4.available():
     raise SystemExit("the 4-bit block product is in the AVX2 build of the kernels: this CPU loads another (or none)")
-model, _ = load_target("smollm2-135m", "float32")
-checkpoint = safe_open(str(Path(model.name_or_path) / "model.safetensors"), framework="pt")
-matrices = []
-for layer in range(model.config.num_hidden_layers):
-    def weight(name: str) -> torch.Tensor:
-        return checkpoint.get_tensor(f"model.layers.{layer}.{name}.weight")
-    matrices += [torch.cat([weight("self_attn.q_proj"), weight("self_attn.k_proj"), weight("self_attn.v_proj")]),
-                 weight("self_attn.o_proj"), torch.cat([weight("mlp.gate_proj"), weight("mlp.up_proj")]),
-                 weight("mlp.down_proj")]
+matrices = step_matrices()
 blocks = [q4.find_blocks(w) for w in matrices]
 if any(b is None for b in blocks):
     raise SystemExit("these weights are not all exact 4-bit blocks")
