@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 VOCAB = 96
+
+# Where make_model puts the tiny models: the CPU, or a GPU with EAGLESPEC_TEST_DEVICE=cuda (README, "Tests on a
+# GPU": the device-independent modules then run there; modules that test CPU kernels pass device="cpu").
+DEVICE = torch.device(os.environ.get("EAGLESPEC_TEST_DEVICE", "cpu"))
 
 # Tiny models gain nothing from threads, and several test processes may share few cores.
 torch.set_num_threads(1)
@@ -14,8 +20,6 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache(tmp_path_factory):
     """Converted models and tree calibrations go to a temporary cache, unless EAGLESPEC_CACHE names one."""
-    import os
-
     if not os.environ.get("EAGLESPEC_CACHE"):
         os.environ["EAGLESPEC_CACHE"] = str(tmp_path_factory.mktemp("eaglespec-cache"))
     yield
@@ -34,7 +38,8 @@ class TinyTokenizer:
         return {"input_ids": [(int(w) if w.isdigit() else sum(map(ord, w))) % VOCAB for w in text.split()]}
 
 
-def make_model(arch: str, seed: int = 0, vocab: int = VOCAB, layers: int = 4, **extra):
+def make_model(arch: str, seed: int = 0, vocab: int = VOCAB, layers: int = 4, device: torch.device | str | None = None,
+               **extra):
     import transformers
 
     torch.manual_seed(seed)
@@ -55,9 +60,14 @@ def make_model(arch: str, seed: int = 0, vocab: int = VOCAB, layers: int = 4, **
     # Sharpen the output distribution so greedy continuations are not all the same token.
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(4.0)
-    return model
+    return model.to(DEVICE if device is None else device)
 
 
 @pytest.fixture(params=["llama", "qwen2", "gemma3"])
 def tiny(request):
     return make_model(request.param), TinyTokenizer()
+
+
+def make_cpu_model(arch: str, **kwargs):
+    """make_model on the CPU whatever EAGLESPEC_TEST_DEVICE says: for the modules that test CPU kernels."""
+    return make_model(arch, device="cpu", **kwargs)

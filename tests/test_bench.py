@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import VOCAB, TinyTokenizer, make_model
+from conftest import VOCAB, TinyTokenizer, make_cpu_model, make_model
 from eaglespec.bench.datasets import Question, read_question_file, select
 from eaglespec.bench.methods import (LOOP_METHODS, BenchMethod, MethodContext, RunOutput, Sampling, build_methods,
                                      parse_methods, parse_sweep, unavailable_reason)
@@ -398,14 +398,14 @@ def test_transformers_peers_run_float32_where_bfloat16_is_emulated(monkeypatch):
     from eaglespec import models
     from eaglespec.bench.methods import HFMethod, peer_model
 
-    model = make_model("llama").to(torch.bfloat16)
+    model = make_cpu_model("llama").to(torch.bfloat16)
     monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
     copy = peer_model(model)
     assert copy is not model and next(copy.parameters()).dtype == torch.float32
     assert next(model.parameters()).dtype == torch.bfloat16
     assert HFMethod("hf", copy, [0]).settings["dtype"] == "float32"
     assert peer_model(None) is None
-    float_model = make_model("llama")
+    float_model = make_cpu_model("llama")
     assert peer_model(float_model) is float_model
     monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
     assert peer_model(model) is model

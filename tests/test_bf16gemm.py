@@ -10,7 +10,7 @@ from eaglespec import bf16gemm
 from eaglespec.errors import EagleSpecError
 from eaglespec.fastpath import FastTarget
 
-from conftest import make_model
+from conftest import make_cpu_model
 from test_fastpath import PROMPT, TREE
 
 pytestmark = [
@@ -127,7 +127,7 @@ def test_inside_a_cpp_wrapper_graph_with_either_loop(variant):
 
 @pytest.fixture(scope="module")
 def model():
-    return make_model("qwen2", layers=2).to(torch.bfloat16)  # q/k/v biases and GQA
+    return make_cpu_model("qwen2", layers=2).to(torch.bfloat16)  # q/k/v biases and GQA
 
 
 def test_compiled_bfloat16_target_uses_the_kernel(model):

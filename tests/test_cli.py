@@ -57,6 +57,8 @@ def test_raw_prompt_generates(capsys, model_dir):
     (["--head", "/no/such/head"], "not a head folder"),
     (["--compile", "--quantize", "int8"], "drop --quantize / --exact"),
     (["--compile", "--exact"], "drop --quantize / --exact"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+    (["--device", "cuda:7"], "CUDA GPU"),  # none here, or fewer than 8
 ])
 def test_bad_options_exit_2_before_loading(capsys, argv, message):
     code, _, err = run(capsys, "generate", "hello", "--model", "/no/such/model", *argv)

@@ -14,7 +14,7 @@ from eaglespec.drafters import EagleDrafter
 from eaglespec.errors import EagleSpecError
 from eaglespec.fastpath import FastTarget, make_target
 
-from conftest import TinyTokenizer, make_model
+from conftest import TinyTokenizer, make_cpu_model
 from test_engine import PROMPTS, random_head
 from test_fastpath import PROMPT, TREE
 
@@ -24,7 +24,7 @@ needs_compiler = pytest.mark.skipif(not cpu_compiler_available(),
 
 @pytest.fixture(scope="module")
 def model():
-    return make_model("qwen2", layers=3)  # q/k/v biases and GQA
+    return make_cpu_model("qwen2", layers=3)  # q/k/v biases and GQA
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def test_compiled_speculative_decoding_gives_plain_decodings_tokens(model):
 
 def test_compile_is_refused_where_it_cannot_apply(model):
     with pytest.raises(EagleSpecError, match="--compile needs the fast path"):
-        make_target(make_model("gemma3"), "final", compile=True)
+        make_target(make_cpu_model("gemma3"), "final", compile=True)
     with pytest.raises(EagleSpecError, match="--compile needs the fast path"):
         make_target(model, "final", backend="hf", compile=True)
     with pytest.raises(EagleSpecError, match="drop --quantize / --exact"):
@@ -163,7 +163,7 @@ def test_a_missing_compiler_is_reported(model, monkeypatch):
 @needs_compiler
 def test_two_compiled_targets_in_one_process_keep_their_own_weights(compiled):
     """Each target's compiled layers are its own: a second model does not reuse the first one's frozen graph."""
-    other = make_model("llama", seed=1, layers=3)
+    other = make_cpu_model("llama", seed=1, layers=3)
     eager, second = FastTarget(other, "final"), FastTarget(other, "final", compile=True)
     graphs = len(_debug_get_cache_entry_list(DecodeStack.forward.__code__))
     second.warm_up()

@@ -21,7 +21,7 @@ def random_head(model, kind, seed=1):
     head = build_head(HeadConfig.for_target(target, kind, **extra)).eval()
     if kind == "eagle3":
         head.set_vocab(torch.randperm(VOCAB)[:48])
-    return head
+    return head.to(model.device)
 
 
 def vanilla_tokens(model, prompt, n):

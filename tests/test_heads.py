@@ -11,7 +11,7 @@ from eaglespec.heads import HeadConfig, build_head, check_head_fits, load_head, 
 from eaglespec.heads.layer import KVCache
 from eaglespec.target import TargetModel
 
-from conftest import make_model
+from conftest import make_cpu_model, make_model
 
 EAGLE1_KEYS = {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
                "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
@@ -26,7 +26,8 @@ EAGLE3_KEYS = {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_a
 
 @pytest.fixture(scope="module")
 def target():
-    return TargetModel(make_model("llama"))
+    """On the CPU: these tests are about checkpoint files (the GPU run covers drafting with heads elsewhere)."""
+    return TargetModel(make_cpu_model("llama"))
 
 
 def make_head(target, kind):

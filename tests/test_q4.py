@@ -14,7 +14,7 @@ from eaglespec import bf16gemm, q4
 from eaglespec.api import Engine, TreeSettings
 from eaglespec.fastpath import FastTarget
 
-from conftest import TinyTokenizer, make_model
+from conftest import TinyTokenizer, make_cpu_model
 from test_engine import PROMPTS, random_head
 from test_fastpath import PROMPT
 
@@ -114,7 +114,7 @@ def test_off_switch(monkeypatch):
 @pytest.fixture(scope="module")
 def q4_folder(tmp_path_factory):
     """A tiny Llama whose layer matrices are Q4_1 weights, saved as float32 safetensors (as a converted GGUF)."""
-    model = make_model("llama", layers=2)
+    model = make_cpu_model("llama", layers=2)
     with torch.no_grad():
         for layer in model.model.layers:
             for linear in (*[getattr(layer.self_attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")],

@@ -8,7 +8,7 @@ from eaglespec.errors import EagleSpecError
 from eaglespec.fastpath import FastTarget, make_target
 from eaglespec.quant import check_mode, quantize, quantize_int4, quantize_int8
 
-from conftest import TinyTokenizer, make_model
+from conftest import TinyTokenizer, make_cpu_model
 from oracles import tree_rows_and_steps
 from test_engine import PROMPTS, random_head
 
@@ -49,7 +49,7 @@ def test_a_verified_tree_row_is_bit_identical_to_the_one_token_step(arch, mode):
     """Quantized decode steps are row-invariant: each tree row's logits equal, bit for bit, those of one-token steps
     along its path, for branching rows (paths copied after the prefix) and a chain (cache slices). The tiny model rarely shows the
     difference without it; tests/test_real_model.py checks the real one, where it is ~0.2 of a logit."""
-    target = make_target(make_model(arch), "final", quantize=mode)
+    target = make_target(make_cpu_model(arch), "final", quantize=mode)
     assert target.row_invariant
     tree, steps, chain = tree_rows_and_steps(target, torch.tensor(PROMPTS[1]), [7, 3, 9])
     assert torch.equal(tree, steps) and torch.equal(chain, steps)
@@ -64,7 +64,7 @@ def test_int4_falls_back_to_int8_where_the_group_does_not_divide_the_input():
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("method", ["eagle2", "eagle1", "pld"])
 def test_speculative_output_equals_plain_decoding_of_the_quantized_target(arch, mode, method):
-    model = make_model(arch)
+    model = make_cpu_model(arch)
     head = None if method == "pld" else random_head(model, "eagle3" if method == "eagle2" else "eagle1")
     plain = Engine.from_model(model, TinyTokenizer(), method="vanilla", quantize=mode)
     spec = Engine.from_model(model, TinyTokenizer(), head=head, method=method, quantize=mode,
@@ -79,14 +79,14 @@ def test_speculative_output_equals_plain_decoding_of_the_quantized_target(arch, 
 
 
 def test_quantize_none_is_the_float_target():
-    model = make_model("llama")
+    model = make_cpu_model("llama")
     engine = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle1"), method="eagle2",
                                quantize="none", tree=TreeSettings(total_tokens=4, depth=2, top_k=2))
     assert engine.target.quantize is None and not engine.target.row_invariant
 
 
 def test_quantized_logits_track_the_float_model():
-    model = make_model("llama")
+    model = make_cpu_model("llama")
     exact, quant = make_target(model, "final"), make_target(model, "final", quantize="int8")
     prompt = torch.tensor(PROMPTS[2])
     a, b = exact.forward(prompt).logits, quant.forward(prompt).logits
@@ -102,7 +102,7 @@ def test_bad_quantize_options_are_clear_errors():
     with pytest.raises(EagleSpecError, match="GPU"):
         check_mode("int8", "cuda")
     with pytest.raises(EagleSpecError, match="fast path"):
-        make_target(make_model("gemma3"), "final", quantize="int8")
+        make_target(make_cpu_model("gemma3"), "final", quantize="int8")
     with pytest.raises(EagleSpecError, match="fast path"):
-        make_target(make_model("llama"), "final", backend="hf", quantize="int4")
-    assert isinstance(make_target(make_model("llama"), "final", quantize="int4"), FastTarget)
+        make_target(make_cpu_model("llama"), "final", backend="hf", quantize="int4")
+    assert isinstance(make_target(make_cpu_model("llama"), "final", quantize="int4"), FastTarget)

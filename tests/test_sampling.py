@@ -29,7 +29,7 @@ class WorstFirstDrafter(Drafter):
 
     def _children(self, seq: list[int]) -> list[int]:
         with torch.no_grad():
-            logits = self.model(torch.tensor([seq])).logits[0, -1]
+            logits = self.model(torch.tensor([seq], device=self.model.device)).logits[0, -1]
         return torch.topk(logits, 3).indices.flip(0).tolist()
 
     def draft(self, tokens, new_features) -> DraftTree:
@@ -52,7 +52,7 @@ def exact_distribution(model, n_tokens: int) -> dict[tuple[int, ...], float]:
         nxt = {}
         for prefix, p in out.items():
             with torch.no_grad():
-                logits = model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
+                logits = model(torch.tensor([PROMPT + list(prefix)], device=model.device)).logits[0, -1]
             probs = target_probs(logits[None], PARAMS)[0]
             for tok in probs.nonzero().flatten().tolist():
                 nxt[prefix + (tok,)] = p * float(probs[tok])
@@ -97,7 +97,7 @@ def accept_first_in_support(tree, probs, generator) -> Verdict:
     while True:
         nxt = next((c for c in kids[node] if probs[node, tokens[c]] > 0), None)
         if nxt is None:
-            return Verdict(path, int(torch.multinomial(probs[node], 1, generator=generator)))
+            return Verdict(path, int(torch.multinomial(probs[node].cpu(), 1, generator=generator)))
         node = nxt
         path.append(node)
 
@@ -107,7 +107,7 @@ def skip_renormalisation(tree, probs, generator) -> Verdict:
     tokens, kids = tree.tokens.tolist(), tree.children()
     node, path = 0, [0]
     while True:
-        p = probs[node]
+        p = probs[node].cpu()
         nxt = next((c for c in kids[node] if float(torch.rand((), generator=generator)) < float(p[tokens[c]])), None)
         if nxt is None:
             return Verdict(path, int(torch.multinomial(p, 1, generator=generator)))

@@ -15,7 +15,7 @@ TREE = DraftTree(tokens=torch.tensor([5, 11, 12, 13, 14, 15, 16]), parents=torch
 def _fresh_logits(model, tokens):
     """Plain full-sequence forward without our cache: logits [n, V]."""
     with torch.no_grad():
-        return model(tokens[None]).logits[0]
+        return model(tokens[None].to(model.device)).logits[0]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
@@ -70,7 +70,7 @@ def test_eagle3_features_are_three_layer_inputs():
     target = TargetModel(model, feature_kind="eagle3")
     out = target.forward(PROMPT)
     with torch.no_grad():
-        hs = model(PROMPT[None], output_hidden_states=True).hidden_states
+        hs = model(PROMPT[None].to(model.device), output_hidden_states=True).hidden_states
     assert target.eagle3_layers() == (2, 3, 3)
     expected = torch.cat([hs[2][0], hs[3][0], hs[3][0]], dim=-1)
     torch.testing.assert_close(out.features, expected, atol=1e-5, rtol=1e-5)
@@ -82,6 +82,6 @@ def test_final_features_are_post_norm_hidden_states():
     target = TargetModel(model, feature_kind="final")
     out = target.forward(PROMPT)
     with torch.no_grad():
-        last = model.model(PROMPT[None]).last_hidden_state[0]
+        last = model.model(PROMPT[None].to(model.device)).last_hidden_state[0]
     torch.testing.assert_close(out.features, last, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.logits, model.lm_head(last), atol=1e-4, rtol=1e-4)

@@ -150,7 +150,8 @@ def test_unrolled_steps_match_tree_drafting(target_model, kind):
     head = build_head(HeadConfig.for_target(target, kind, draft_vocab_size=20 if kind == "eagle3" else None)).eval()
     if kind == "eagle3":
         head.set_vocab(torch.arange(0, 40, 2))
-    ids = torch.randint(3, 48, (1, 10))
+    head.to(target.device)
+    ids = torch.randint(3, 48, (1, 10), device=target.device)
     _, feats = target.features_for_batch(ids)
     emb = target.embed_tokens(ids)  # [1, T, d]
     nxt = torch.cat([emb[:, 1:], torch.zeros_like(emb[:, :1])], 1)
@@ -158,13 +159,14 @@ def test_unrolled_steps_match_tree_drafting(target_model, kind):
         outs = head.unroll(head.lift(feats), nxt, 3)
         t = 5  # slot: the prefix is positions 0..t, drafted nodes at t+1, t+2 read x_{t+2}, x_{t+3}
         cache = KVCache()
-        h = head.step(head.lift(feats[0, : t + 1]), emb[0, 1 : t + 2], torch.arange(t + 1), cache,
-                      torch.ones(t + 1, t + 1, dtype=torch.bool).tril())
+        dev = target.device
+        h = head.step(head.lift(feats[0, : t + 1]), emb[0, 1 : t + 2], torch.arange(t + 1, device=dev), cache,
+                      torch.ones(t + 1, t + 1, dtype=torch.bool, device=dev).tril())
         assert torch.allclose(h, outs[0][0, : t + 1], atol=1e-5)
         hidden = h[-1:]
         for j in (1, 2):
-            node = head.step(hidden, emb[0, t + 1 + j : t + 2 + j], torch.tensor([t + j]), cache,
-                             torch.ones(1, len(cache) + 1, dtype=torch.bool))
+            node = head.step(hidden, emb[0, t + 1 + j : t + 2 + j], torch.tensor([t + j], device=dev), cache,
+                             torch.ones(1, len(cache) + 1, dtype=torch.bool, device=dev))
             assert torch.allclose(node[0], outs[j][0, t], atol=1e-5), j
             hidden = node
 
@@ -176,7 +178,9 @@ def entropy_floor(trainer: Trainer, batch) -> float:
 
     head, target = trainer.unwrapped(), trainer.target
     steps = trainer.config.unroll_steps()
-    vocab = head.to_target_ids(torch.arange(head.config.draft_vocab_size)) if trainer.config.kind == "eagle3" else None
+    vocab = (head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=target.device))
+             if trainer.config.kind == "eagle3" else None)
+    batch = batch.to(target.device)
     floor = 0.0
     for j in range(steps):
         logits = target.logits_from_last(shift_left(batch.last, 1 + j)[step_mask(batch, j)], vocab)
@@ -283,10 +287,10 @@ def test_reselect_vocab_rechooses_an_eagle3_heads_draft_vocabulary_and_keeps_its
     again = Trainer(cfg, target_model, tok, progress=False)
     head = again.unwrapped()
     expected = select_draft_vocab(token_counts(again.train_examples, 48), 16)
-    draft = torch.arange(16)
-    assert torch.equal(head.to_target_ids(draft), expected)  # target = draft + d2t[draft]
-    assert torch.equal(head.t2d.nonzero()[:, 0], expected)  # t2d marks exactly those ids
-    old = trained.to_target_ids(torch.arange(24)).tolist()
+    draft = torch.arange(16, device=head.d2t.device)  # (the trainer's device)
+    assert torch.equal(head.to_target_ids(draft).cpu(), expected)  # target = draft + d2t[draft]
+    assert torch.equal(head.t2d.nonzero()[:, 0].cpu(), expected)  # t2d marks exactly those ids
+    old = trained.to_target_ids(torch.arange(24, device=head.d2t.device)).tolist()
     kept = [i for i, t in enumerate(expected.tolist()) if t in old]
     assert 0 < len(kept) <= 16
     for i in kept:
@@ -315,7 +319,7 @@ def test_cached_features_equal_online_features(tmp_path, data_file, target_model
                                  dtype=torch.float32, progress=False)
     assert "10 conversations to compute" in capsys.readouterr().err
     cached = CachedFeatures([(stores[0], j) for j in range(4)] + [(stores[1], j) for j in range(6)])
-    a, b = online.batch([3, 7, 1]), cached.batch([3, 7, 1])
+    a, b = online.batch([3, 7, 1]).to("cpu"), cached.batch([3, 7, 1]).to("cpu")
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
     real = a.attention_mask
     assert torch.allclose(a.last[real], b.last[real], atol=1e-5)
@@ -367,9 +371,9 @@ def trained_head(tmp_path, data_file, target_model, tok, kind):
 def test_save_load_round_trip_gives_identical_outputs(tmp_path, data_file, target_model, tok, kind):
     head = trained_head(tmp_path, data_file, target_model, tok, kind).eval()
     save_head(head, tmp_path / "saved")
-    loaded = load_head(tmp_path / "saved")
     target = TargetModel(target_model, feature_kind="eagle3" if kind == "eagle3" else "final")
-    ids = torch.randint(3, 48, (2, 12))
+    loaded = load_head(tmp_path / "saved", device=target.device)
+    ids = torch.randint(3, 48, (2, 12), device=target.device)
     _, feats = target.features_for_batch(ids)
     emb = target.embed_tokens(ids)
     with torch.no_grad():
@@ -387,7 +391,7 @@ def test_export_then_import_gives_identical_weights(tmp_path, data_file, target_
     assert official["architectures"] == ["LlamaForCausalLMEagle3"] and "eaglespec" not in official
     assert official["draft_vocab_size"] == 24
     export_head(tmp_path / "official", tmp_path / "back", layout="eaglespec")
-    back = load_head(tmp_path / "back")
+    back = load_head(tmp_path / "back", device=next(head.parameters()).device)
     for (name, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
         assert torch.equal(a, b), name
 
@@ -419,7 +423,7 @@ def test_draft_vocabulary_maps_are_consistent(tok, tmp_path, data_file, target_m
     ids = select_draft_vocab(counts, 24)
     chosen = set(ids.tolist())
     assert min(int(counts[i]) for i in chosen) >= max(int(counts[i]) for i in range(48) if i not in chosen)
-    head = trained_head(tmp_path, data_file, target_model, tok, "eagle3")
+    head = trained_head(tmp_path, data_file, target_model, tok, "eagle3").cpu()
     draft = torch.arange(24)
     target_ids = draft + head.d2t[draft]
     assert torch.equal(target_ids, head.to_target_ids(draft))
@@ -459,7 +463,7 @@ def test_cli_data_train_export(tmp_path, target_model, tok, capsys):
 
     direct_target = TargetModel(target_model, feature_kind="eagle3")
     examples = encode_dataset(tok, read_conversations(held), 1024)
-    direct = draft_accuracy(head.float(), direct_target, OnlineFeatures(direct_target, examples), list(range(5)), 2)
+    direct = draft_accuracy(head.float().to(direct_target.device), direct_target, OnlineFeatures(direct_target, examples), list(range(5)), 2)
     assert result["acc"] == pytest.approx(direct["acc"]) and result["tokens"] == direct["tokens"]
     assert "5 conversations: acc@1=" in capsys.readouterr().out
     assert main(["export", str(out / "head"), str(tmp_path / "official"), "--weights", "bin"]) == 0
@@ -485,7 +489,7 @@ def test_learning_rate_warms_up_then_decays_with_steps_or_time_budget():
 def test_eagle3_head_starts_from_the_target_readout(tmp_path, data_file, target_model, tok):
     trainer = Trainer(config(tmp_path, data_file, "eagle3", max_steps=1), target_model, tok, progress=False)
     head = trainer.unwrapped()
-    ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size))
+    ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=trainer.target.device))
     assert torch.equal(head.lm_head.weight, target_model.lm_head.weight[ids])
     assert torch.equal(head.norm.weight, target_model.model.norm.weight)
 
@@ -519,8 +523,8 @@ def test_eagle3_loss_is_the_weighted_sum_of_per_step_soft_cross_entropies(tmp_pa
     from eaglespec.train.losses import next_embeds, shift_left, soft_cross_entropy, step_mask
 
     trainer = Trainer(config(tmp_path, data_file, "eagle3", ttt_steps=3), target_model, tok, progress=False)
-    head, batch = trainer.unwrapped(), trainer.train_source.batch(list(range(6)))
-    ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size))
+    head, batch = trainer.unwrapped(), trainer.train_source.batch(list(range(6))).to(trainer.target.device)
+    ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=trainer.target.device))
     with torch.no_grad():
         got = trainer.loss(batch)
         outs = head(batch.features.float(), next_embeds(target_model.get_input_embeddings(), batch), 3)
@@ -546,7 +550,7 @@ def test_eagle1_training_time_test_scores_each_step_on_its_own_fed_back_output(t
                     progress=False)
     assert one.config.unroll_steps() == 1 and three.config.unroll_steps() == 3
     three.unwrapped().load_state_dict(one.unwrapped().state_dict())
-    head, batch = one.unwrapped(), one.train_source.batch(list(range(6)))
+    head, batch = one.unwrapped(), one.train_source.batch(list(range(6))).to(one.target.device)
     with torch.no_grad():
         got1, got3 = one.loss(batch), three.loss(batch)
         feats = batch.features.float()
@@ -589,7 +593,8 @@ def test_two_processes_under_a_launcher(tmp_path, target_model, tok):
                "--batch-size", "2", "--eval-size", "2", "--eval-steps", "2", "--threads", "1", "--log-every", "1",
                "--cache-features", str(tmp_path / "cache"), "--time-budget", "10"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path),
-           "ACCELERATE_USE_CPU": "true"}  # what `accelerate launch --cpu` sets: gloo across CPU processes
+           "ACCELERATE_USE_CPU": "true",  # what `accelerate launch --cpu` sets: gloo across CPU processes
+           "CUDA_VISIBLE_DEVICES": ""}  # (on a GPU machine too: accelerate would give each rank a GPU)
     run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]

@@ -12,7 +12,7 @@ from eaglespec import Engine, TreeSettings, bf16gemm
 from eaglespec.fastpath import FastTarget
 from eaglespec.tree import DraftTree
 
-from conftest import TinyTokenizer, make_model
+from conftest import TinyTokenizer, make_cpu_model
 from test_engine import PROMPTS, random_head
 from test_fastpath import PROMPT, TREE
 
@@ -144,7 +144,7 @@ def test_commit_rows_moves_the_accepted_path_in_every_layer(dtype):
 @pytest.fixture(scope="module")
 def model():
     # head_dim 16, GQA; bfloat16 as the default dtype on a CPU with AVX-512 BF16 (and with --compile on AVX2)
-    return make_model("llama", layers=3).to(torch.bfloat16)
+    return make_cpu_model("llama", layers=3).to(torch.bfloat16)
 
 
 def verify_rows_equal_plain_steps(target, prefix: list[int]) -> None:

@@ -20,7 +20,7 @@ from .drafters import HEAD_METHODS, METHODS, Drafter, EagleDrafter, TreeSettings
 from .errors import EagleSpecError
 from .fastpath import make_target
 from .heads import DraftHead, check_head_fits, load_head
-from .models import DEFAULT_MODEL, load_target, parse_dtype, shipped_head_dir
+from .models import DEFAULT_MODEL, load_target, parse_device, parse_dtype, shipped_head_dir
 from .quant import check_mode
 from .verify import SamplingParams
 
@@ -46,7 +46,7 @@ class Engine:
         method: str = "eagle2",
         dtype: str | torch.dtype = "auto",
         tree: TreeSettings | str | None = "auto",
-        device: str = "cpu",
+        device: str | torch.device = "auto",
         draft_model: str | None = None,
         backend: str = "auto",
         draft_vocab: int | None = None,
@@ -63,12 +63,13 @@ class Engine:
         generation, whichever the last rounds measured faster (eaglespec.adaptive; False: always draft). `quantize`:
         "int8" / "int4" weight-only target on CPU (changes the model; output stays lossless w.r.t. it). `exact`:
         verify passes bit-identical to one-token steps in any dtype (each row attends as a one-token step does; fast
-        path only).
+        path only). `device`: "auto" (the first CUDA GPU torch sees, else the CPU), "cpu", "cuda" or "cuda:N".
         `compile`: the target's decode steps through torch.compile (fast path; tens of seconds at start)."""
         if method not in METHODS:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
         if method == "sps" and not draft_model:
             raise EagleSpecError("method 'sps' needs a smaller draft model sharing the tokenizer: pass --draft-model")
+        device = parse_device(device)
         dtype = parse_dtype(dtype, device, compile)
         hf_model, tokenizer = load_target(model, dtype=dtype, device=device)
         self.notice = ""
@@ -117,6 +118,8 @@ class Engine:
         feature_kind = None if head is None else ("eagle3" if head.config.kind == "eagle3" else "final")
         self.target = make_target(hf_model, feature_kind=feature_kind, backend=backend, quantize=quantize,
                                   exact=exact, compile=compile)
+        if head is not None:
+            head = head.to(self.target.device)  # a head built or loaded elsewhere drafts where the target runs
         self.tokenizer = tokenizer
         self.head = head
         self.method = method

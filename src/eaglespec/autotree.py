@@ -39,6 +39,7 @@ import torch
 
 from . import bf16gemm
 from .drafters import EagleDrafter, TreeSettings, VanillaDrafter
+from .models import synchronize
 from .target import TargetModel
 
 CALIBRATION_PROMPTS = (  # a mix of writing, code, arithmetic and knowledge
@@ -176,6 +177,7 @@ def verify_costs(target: TargetModel, sizes=TREE_SIZES, context: int = 192, repe
                 t0 = time.perf_counter()
                 target.forward(tokens, torch.arange(context, context + n), mask, greedy=True)  # as greedy decoding
                 target.commit(torch.zeros(0, dtype=torch.long))  # keep nothing: the context stays as it was
+                synchronize(target.device)
                 if rep:
                     times[n].append(1000 * (time.perf_counter() - t0))
     target.reset()
@@ -205,6 +207,7 @@ def _flush_caches(target: TargetModel, token: int) -> None:
     has streamed the target's weights through the CPU caches, so the head's weights come from memory."""
     target.forward(torch.tensor([token]))
     target.commit(torch.zeros(0, dtype=torch.long))  # keep nothing
+    synchronize(target.device)
 
 
 def record_candidates(drafter: EagleDrafter, target: TargetModel, sequences: list[tuple[list[int], int]],
@@ -237,6 +240,7 @@ def record_candidates(drafter: EagleDrafter, target: TargetModel, sequences: lis
                 t0 = time.perf_counter()
                 grow = drafter.start_round(torch.tensor(seq[: p + 1]), features[seen:p])
                 if timing:
+                    synchronize(target.device)
                     start_ms.append(1000 * (time.perf_counter() - t0))
                 seen = p
                 if timing:
@@ -245,6 +249,7 @@ def record_candidates(drafter: EagleDrafter, target: TargetModel, sequences: lis
                         fresh = grow.restart()
                         t0 = time.perf_counter()
                         fresh.dynamic(total_tokens=2, depth=d, top_k=k)
+                        synchronize(target.device)
                         growth_ms.setdefault(f"{d},{k}", []).append(1000 * (time.perf_counter() - t0))
                     grow = grow.restart()
                 grow.dynamic(total_tokens=2, depth=depth, top_k=top_k)

@@ -26,7 +26,7 @@ def positive_int(text: str) -> int:
 
 
 def model_options(p: argparse.ArgumentParser) -> None:
-    """--model, --head, --method, --dtype, --threads and tree settings (shared by generate, chat, bench, serve)."""
+    """--model, --head, --method, --device, --dtype, --threads and tree settings (shared by generate, chat, bench, serve)."""
     from .drafters import METHODS
     from .models import DEFAULT_MODEL
 
@@ -39,6 +39,8 @@ def model_options(p: argparse.ArgumentParser) -> None:
                    help="eagle2 = dynamic tree, eagle1 = static tree, chain = top-1, vanilla = no draft, "
                         "pld = prompt lookup, sps = a smaller draft model (--draft-model)")
     g.add_argument("--draft-model", default=None, help="sps: a smaller model sharing the target's tokenizer")
+    g.add_argument("--device", default="auto",
+                   help="auto (default) = the first CUDA GPU torch sees, else cpu; or cpu, cuda, cuda:N")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto (default) = bfloat16 on a GPU or a CPU with native bfloat16 (AVX-512 BF16 / AMX), "
                         "and with --compile on a CPU with AVX2 (eaglespec's kernels), else float32")
@@ -102,6 +104,10 @@ def check_options(args: argparse.Namespace) -> None:
         if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
             raise EagleSpecError(f"--max-new-tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, "
                                  f"got {args.max_new_tokens}")
+    if getattr(args, "device", None) is not None:
+        from .models import parse_device
+
+        args.device = parse_device(args.device)
     if getattr(args, "draft_vocab", None) is not None and args.draft_vocab < 0:
         raise EagleSpecError(f"--draft-vocab must be 0 (full vocabulary) or a positive size, got {args.draft_vocab}")
     if getattr(args, "compile", False) and (getattr(args, "quantize", "none") != "none" or getattr(args, "exact", False)):
@@ -123,9 +129,9 @@ def build_engine(args: argparse.Namespace):
     check_options(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine(model=args.model, head=args.head, method=args.method, dtype=args.dtype, tree=tree_from_args(args),
-                    draft_model=args.draft_model, backend=args.backend, draft_vocab=args.draft_vocab,
-                    quantize=args.quantize, exact=args.exact, compile=args.compile)
+    engine = Engine(model=args.model, head=args.head, method=args.method, device=args.device, dtype=args.dtype,
+                    tree=tree_from_args(args), draft_model=args.draft_model, backend=args.backend,
+                    draft_vocab=args.draft_vocab, quantize=args.quantize, exact=args.exact, compile=args.compile)
     if engine.notice:
         print(f"note: {engine.notice}", file=sys.stderr)
     return engine

