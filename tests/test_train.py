@@ -463,7 +463,8 @@ def test_cli_data_train_export(tmp_path, target_model, tok, capsys):
 
     direct_target = TargetModel(target_model, feature_kind="eagle3")
     examples = encode_dataset(tok, read_conversations(held), 1024)
-    direct = draft_accuracy(head.float().to(direct_target.device), direct_target, OnlineFeatures(direct_target, examples), list(range(5)), 2)
+    direct = draft_accuracy(head.float().to(direct_target.device), direct_target,
+                            OnlineFeatures(direct_target, examples), list(range(5)), 2)
     assert result["acc"] == pytest.approx(direct["acc"]) and result["tokens"] == direct["tokens"]
     assert "5 conversations: acc@1=" in capsys.readouterr().out
     assert main(["export", str(out / "head"), str(tmp_path / "official"), "--weights", "bin"]) == 0

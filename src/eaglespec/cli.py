@@ -15,6 +15,9 @@ from .errors import EagleSpecError
 SUBCOMMAND_MODULES = ("eaglespec.train.cli", "eaglespec.bench.cli", "eaglespec.serve.cli")
 
 
+DEVICE_HELP = "auto (default) = the first CUDA GPU torch sees, else cpu; or cpu, cuda, cuda:N"
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -26,7 +29,8 @@ def positive_int(text: str) -> int:
 
 
 def model_options(p: argparse.ArgumentParser) -> None:
-    """--model, --head, --method, --device, --dtype, --threads and tree settings (shared by generate, chat, bench, serve)."""
+    """--model, --head, --method, --device, --dtype, --threads and tree settings (shared by generate, chat, bench,
+    serve)."""
     from .drafters import METHODS
     from .models import DEFAULT_MODEL
 
@@ -39,8 +43,7 @@ def model_options(p: argparse.ArgumentParser) -> None:
                    help="eagle2 = dynamic tree, eagle1 = static tree, chain = top-1, vanilla = no draft, "
                         "pld = prompt lookup, sps = a smaller draft model (--draft-model)")
     g.add_argument("--draft-model", default=None, help="sps: a smaller model sharing the target's tokenizer")
-    g.add_argument("--device", default="auto",
-                   help="auto (default) = the first CUDA GPU torch sees, else cpu; or cpu, cuda, cuda:N")
+    g.add_argument("--device", default="auto", help=DEVICE_HELP)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto (default) = bfloat16 on a GPU or a CPU with native bfloat16 (AVX-512 BF16 / AMX), "
                         "and with --compile on a CPU with AVX2 (eaglespec's kernels), else float32")

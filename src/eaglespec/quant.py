@@ -35,7 +35,8 @@ def check_mode(mode: str | None, device: torch.device | str = "cpu") -> str | No
     if mode not in MODES:
         raise EagleSpecError(f"unknown quantization '{mode}'; use none, {' or '.join(MODES)}")
     if torch.device(device).type != "cpu":
-        raise EagleSpecError(f"--quantize {mode} uses torch's CPU kernels; on a GPU use --dtype bfloat16 instead")
+        raise EagleSpecError(f"--quantize {mode} uses torch's CPU kernels; on a GPU use --dtype bfloat16 instead, "
+                             "or run on the CPU with --device cpu")
     return mode
 
 

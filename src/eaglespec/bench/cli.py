@@ -169,8 +169,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     print(f"bench: {len(questions)} questions, methods {', '.join(m.name for m in methods)} -> {out}",
           file=sys.stderr)
-    print(f"bench: device {device}, dtype {config.settings['dtype']}, {torch.get_num_threads()} torch threads, backend "
-          f"{config.settings['backend']}, quantize {args.quantize}, compile {args.compile}, bfloat16 kernel "
+    print(f"bench: device {device}, dtype {config.settings['dtype']}, {torch.get_num_threads()} torch threads, "
+          f"backend {config.settings['backend']}, quantize {args.quantize}, compile {args.compile}, bfloat16 kernel "
           f"{config.settings['bf16_kernel'] or '-'}, layer matrices as exact 4-bit blocks "
           f"{config.settings['q4_matrices']} (our loop; peers run their own weights)",
           file=sys.stderr)

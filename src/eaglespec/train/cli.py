@@ -19,8 +19,9 @@ def _model_arg(p: argparse.ArgumentParser) -> None:
 
 def _device_arg(p: argparse.ArgumentParser) -> None:
     """--device for the commands that run the target themselves (`train head` leaves the device to accelerate)."""
-    p.add_argument("--device", default="auto",
-                   help="auto (default) = the first CUDA GPU torch sees, else cpu; or cpu, cuda, cuda:N")
+    from ..cli import DEVICE_HELP
+
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
 
 
 def cmd_data(args: argparse.Namespace) -> int:
