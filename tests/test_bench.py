@@ -364,7 +364,7 @@ def test_cli_end_to_end_on_the_default_model(tmp_path, capsys):
                                      "turns": ["Repeat exactly: alpha beta gamma delta alpha beta gamma delta"]}) + "\n")
     out = tmp_path / "out"
     argv = ["bench", "--dataset", str(questions), "--methods", "vanilla,pld,hf", "--max-new-tokens", "8",
-            "--repeats", "1", "--warmup", "0", "--out", str(out), "--no-progress", "--threads", "2"]
+            "--repeats", "1", "--warmup", "0", "--out", str(out), "--no-progress", "--threads", "2", "--device", "cpu"]
     assert main(argv) == 0
     rows = read_rows(out / RESULTS)
     assert [r["variant"] for r in rows] == ["vanilla", "pld", "hf"]
@@ -372,6 +372,7 @@ def test_cli_end_to_end_on_the_default_model(tmp_path, capsys):
     assert str(out / SUMMARY) in capsys.readouterr().out
     info = json.loads((out / RUN_INFO).read_text())
     assert info["settings"]["model"] == "smollm2-135m" and info["settings"]["threads"] == 2
+    assert info["settings"]["device"] == "cpu"
     assert info["settings"]["bf16_kernel"] is None  # (no --compile: the kernel is not used)
     assert main(argv) == 2  # refuses to overwrite without --force
     assert "--force" in capsys.readouterr().err
