@@ -9,7 +9,7 @@ import torch
 
 VOCAB = 96
 
-# Where make_model puts the tiny models: the CPU, or a GPU with EAGLESPEC_TEST_DEVICE=cuda (README, "Tests on a
+# Where make_model puts the tiny models: the CPU, or a GPU with EAGLESPEC_TEST_DEVICE=cuda (README, "On a
 # GPU": the device-independent modules then run there; modules that test CPU kernels take make_cpu_model).
 DEVICE = torch.device(os.environ.get("EAGLESPEC_TEST_DEVICE", "cpu"))
 
