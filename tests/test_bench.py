@@ -172,6 +172,10 @@ def test_reference_reuses_vanillas_rows_and_still_checks_equality(run, tmp_path)
     with pytest.raises(EagleSpecError, match="other settings: max_new_tokens"):
         run_benchmark([vanilla, eagle2], QUESTIONS, encode, decode, BenchConfig(dataset="tiny", max_new_tokens=5),
                       tmp_path / "x", progress=False, reference=out)
+    with pytest.raises(EagleSpecError, match="other settings: device"):  # (a run without it: the CPU)
+        run_benchmark([vanilla, eagle2], QUESTIONS, encode, decode,
+                      BenchConfig(dataset="tiny", max_new_tokens=MAX_NEW, settings={"device": "cuda:0"}),
+                      tmp_path / "v", progress=False, reference=out)
     extra = [*QUESTIONS, Question(9, "math", ("1 + 1",))]
     with pytest.raises(EagleSpecError, match="no vanilla answer for question 9 turn 1"):
         run_benchmark([vanilla, eagle2], extra, encode, decode, config, tmp_path / "y", progress=False, reference=out)
@@ -405,6 +409,7 @@ def test_transformers_peers_run_float32_where_bfloat16_is_emulated(monkeypatch):
     assert copy is not model and next(copy.parameters()).dtype == torch.float32
     assert next(model.parameters()).dtype == torch.bfloat16
     assert HFMethod("hf", copy, [0]).settings["dtype"] == "float32"
+    assert HFMethod("hf", copy, [0]).settings["device"] == "cpu"
     assert peer_model(None) is None
     float_model = make_cpu_model("llama")
     assert peer_model(float_model) is float_model

@@ -124,7 +124,8 @@ class HFMethod(BenchMethod):
             if draft_model is None:
                 raise EagleSpecError("method 'hf-assisted' needs a draft model: pass --draft-model")
             settings["assistant"] = getattr(draft_model.config, "_name_or_path", "") or "draft model"
-        settings["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+        parameter = next(model.parameters())
+        settings.update(dtype=str(parameter.dtype).removeprefix("torch."), device=str(parameter.device))
         super().__init__(method, method, "peer", settings)
         self.model, self.draft_model, self.eos_ids = model, draft_model, sorted(eos_ids)
 
@@ -165,7 +166,8 @@ class LlamaCppMethod(BenchMethod):
         from llama_cpp import Llama
 
         super().__init__("llamacpp", "llamacpp", "peer",
-                         {"backend": "llama.cpp", "gguf": Path(gguf_path).name, "threads": threads, "n_ctx": n_ctx})
+                         {"backend": "llama.cpp", "gguf": Path(gguf_path).name, "threads": threads, "n_ctx": n_ctx,
+                          "device": "cpu"})  # (no layers offloaded to a GPU, whatever --device says)
         self.llm = Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
                          verbose=False)
         self.eos = set(eos_ids) | {int(self.llm.token_eos())}

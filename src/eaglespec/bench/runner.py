@@ -62,7 +62,8 @@ def _timed(method: BenchMethod, ids: list[int], config: BenchConfig, seed: int |
 
 # Run settings that must be the same for a reused vanilla baseline (`--reference`) to describe the same prompts.
 REFERENCE_KEYS = ("dataset", "max_new_tokens", "sampling", "system")
-REFERENCE_SETTINGS = ("model", "dtype", "backend", "quantize")
+REFERENCE_SETTINGS = ("model", "device", "dtype", "backend", "quantize")
+SETTING_DEFAULTS = {"device": "cpu"}  # what runs recorded before the setting existed used
 
 
 def load_reference(folder: str | Path, config: BenchConfig) -> dict[tuple, dict]:
@@ -77,7 +78,8 @@ def load_reference(folder: str | Path, config: BenchConfig) -> dict[tuple, dict]
     ours = {"dataset": config.dataset, "max_new_tokens": config.max_new_tokens, "sampling": asdict(config.sampling),
             "system": config.system}
     differ = [k for k in REFERENCE_KEYS if info.get(k) != ours[k]]
-    differ += [k for k in REFERENCE_SETTINGS if info.get("settings", {}).get(k) != config.settings.get(k)]
+    theirs, mine = ({**SETTING_DEFAULTS, **settings} for settings in (info.get("settings", {}), config.settings))
+    differ += [k for k in REFERENCE_SETTINGS if theirs.get(k) != mine.get(k)]
     if differ:
         raise EagleSpecError(f"--reference '{folder}' was run with other settings: {', '.join(differ)}; "
                              "run vanilla again (drop --reference) or match them")
