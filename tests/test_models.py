@@ -62,7 +62,7 @@ def test_unknown_dtype():
         models.parse_dtype("float8")
 
 
-def test_dtype_auto_follows_the_hardware():
+def test_dtype_auto_follows_the_hardware(monkeypatch):
     import torch
 
     from eaglespec.models import cpu_has_native_bf16, parse_dtype
@@ -72,6 +72,11 @@ def test_dtype_auto_follows_the_hardware():
     assert parse_dtype("bf16") == torch.bfloat16
     with pytest.raises(EagleSpecError, match="auto, float32"):
         parse_dtype("float8")
+    # A GPU without native bfloat16 (before Ampere) gets float16; one with it, bfloat16.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for native, expected in ((False, torch.float16), (True, torch.bfloat16)):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
+        assert parse_dtype("auto", "cuda:0") == expected
 
 
 def test_shipped_heads_follow_the_registry_preference():

@@ -145,11 +145,13 @@ def synchronize(device: torch.device) -> None:
 
 
 def auto_dtype(device: str = "cpu", compile: bool = False) -> torch.dtype:
-    """"auto": bfloat16 on a GPU, on a CPU with native bfloat16 arithmetic, and with `compile` on a CPU where
-    eaglespec's bfloat16 kernels run (AVX2 + FMA: they read bfloat16 weights and multiply in float32, and a decode
-    step on a few cores is bound by reading the weights); float32 elsewhere."""
+    """"auto": bfloat16 on a GPU (float16 on one without native bfloat16, before Ampere: a T4, a V100), on a CPU
+    with native bfloat16 arithmetic, and with `compile` on a CPU where eaglespec's bfloat16 kernels run (AVX2 + FMA:
+    they read bfloat16 weights and multiply in float32, and a decode step on a few cores is bound by reading the
+    weights); float32 elsewhere."""
     if str(device).startswith("cuda"):
-        return torch.bfloat16
+        native = not torch.cuda.is_available() or torch.cuda.is_bf16_supported(including_emulation=False)
+        return torch.bfloat16 if native else torch.float16
     if cpu_has_native_bf16():
         return torch.bfloat16
     from . import bf16gemm
