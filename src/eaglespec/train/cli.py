@@ -195,7 +195,7 @@ def register_head(sub) -> None:
     h.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the final head's weights")
     h.add_argument("--mixed-precision", default="auto", choices=["auto", "no", "bf16", "fp16"],
-                   help="auto = bf16 on GPU, off on CPU")
+                   help="auto = bf16 on a GPU (fp16 before Ampere), off on CPU")
     h.add_argument("--time-budget", type=float, default=None, metavar="MIN",
                    help="stop training after MIN minutes (the target-feature pass not counted) and write the head; "
                         "the cosine learning-rate decay then ends with the budget if it comes before --max-steps")

@@ -155,7 +155,8 @@ class Trainer:
         self.progress = progress
         mp = config.mixed_precision
         if mp == "auto":
-            mp = "bf16" if torch.cuda.is_available() else "no"
+            mp = "no" if not torch.cuda.is_available() else (
+                "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16")  # fp16 before Ampere
         self.accelerator = Accelerator(mixed_precision=mp)
         self.out = Path(config.out)
         self.out.mkdir(parents=True, exist_ok=True)
