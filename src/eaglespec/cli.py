@@ -46,7 +46,8 @@ def model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help=DEVICE_HELP)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto (default) = bfloat16 on a GPU (float16 before Ampere) or a CPU with native bfloat16 "
-                        "(AVX-512 BF16 / AMX), and with --compile on a CPU with AVX2 (eaglespec's kernels), else float32")
+                        "(AVX-512 BF16 / AMX), and with --compile on a CPU with AVX2 (eaglespec's kernels), "
+                        "else float32")
     g.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"],
                    help="target forward: fast = our lean Llama/Qwen2 path, hf = transformers (auto: fast if supported)")
     g.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
