@@ -248,7 +248,10 @@ def test_adapt_adds_an_adaptive_variant_sharing_the_engine(tmp_path):
     assert all(r["equal_to_vanilla"] for r in rows)
     by = {v: [r for r in rows if r["variant"] == v] for v in ("eagle2", "eagle2+adapt")}
     assert all(r["drafted_forwards"] == r["target_forwards"] for r in by["eagle2"])
-    assert all(r["drafted_forwards"] < r["target_forwards"] for r in by["eagle2+adapt"])  # starts plain
+    # It starts plain: its first run has plain steps. (Later runs may draft throughout: the policy keeps what it
+    # measured across requests, and on a tiny model either mode can time faster, more so on a busy machine.)
+    first = by["eagle2+adapt"][0]
+    assert first["drafted_forwards"] < first["target_forwards"]
 
 
 def test_unknown_method_and_bad_sweep_are_clear_errors():
