@@ -418,3 +418,38 @@ def test_transformers_peers_run_float32_where_bfloat16_is_emulated(monkeypatch):
     assert peer_model(float_model) is float_model
     monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
     assert peer_model(model) is model
+
+
+def test_oracle_drafts_plain_decodings_answer_and_every_draft_token_is_accepted(tmp_path, capsys):
+    """`oracle` (eaglespec.bench.oracle): chains of --depth tokens of vanilla's own answer, every one accepted, in
+    vanilla's engine; with --reference (no vanilla run) it finds the answer itself; greedy only; not in 'all'."""
+    from eaglespec.bench.oracle import OracleMethod
+
+    model, tok = make_model("llama"), TinyTokenizer()
+    ctx = MethodContext(model=model, tokenizer=tok, model_name="tiny", tree=TreeSettings(8, 3, 2),
+                        eos_ids=eos_ids_of(model, tok))
+    methods = build_methods(["oracle"], ctx, parse_sweep("depth=1,3"))
+    assert [m.name for m in methods] == ["vanilla", "oracle@depth=1", "oracle@depth=3"]
+    assert all(m.engine is methods[0].engine for m in methods[1:])
+    config = BenchConfig(dataset="tiny", max_new_tokens=MAX_NEW, repeats=1, warmup=1)
+    run_benchmark(methods, QUESTIONS, encode, decode, config, tmp_path / "out", progress=False, command=["t"])
+    rows = read_rows(tmp_path / "out" / RESULTS)
+    assert len(rows) == 3 * 3 and all(r["equal_to_vanilla"] for r in rows)
+    for depth in (1, 3):
+        for r in (r for r in rows if r["variant"] == f"oracle@depth={depth}"):
+            lengths = r["accept_lengths"]  # every verify pass accepts the whole chain (the last may be cut short)
+            assert lengths[:-1] == [depth + 1] * (len(lengths) - 1) and 1 <= lengths[-1] <= depth + 1, lengths
+            assert r["target_forwards"] == -(-(r["new_tokens"] - 1) // (depth + 1))
+    write_report(tmp_path / "out", plots=False)
+    assert "oracle = a measurement, not a method" in (tmp_path / "out" / SUMMARY).read_text()
+
+    # Without vanilla's answers (e.g. --reference): an untimed plain run of the same engine first
+    ids = encode([{"role": "user", "content": QUESTIONS[1].turns[0]}])
+    oracle = OracleMethod("oracle", methods[0].engine, {}, TreeSettings(8, 2, 2), answers={})
+    out = oracle.generate(ids, MAX_NEW, Sampling())
+    assert out.tokens == methods[0].generate(ids, MAX_NEW, Sampling()).tokens and out.accept_lengths[0] == 3
+    with pytest.raises(EagleSpecError, match="needs greedy decoding"):
+        oracle.generate(ids, MAX_NEW, Sampling(temperature=0.7))
+    assert "oracle" not in parse_methods("all") and parse_methods("oracle") == ["oracle"]
+    assert main(["bench", "--methods", "vanilla,oracle", "--temperature", "0.7"]) == 2
+    assert "method 'oracle' needs greedy decoding" in capsys.readouterr().err

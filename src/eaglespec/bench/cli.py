@@ -26,7 +26,9 @@ def register(subparsers, model_options, sampling_options) -> None:
                    help="mt-bench, humaneval, or a .jsonl file with question_id, category, turns (default mt-bench)")
     g.add_argument("--methods", default=None,
                    help="comma-separated: vanilla, eagle2, eagle1, chain, eagle3, pld, sps, hf, hf-pld, hf-assisted, "
-                        "llamacpp; 'all' (default) = every one that can run here. vanilla is always included")
+                        "llamacpp; 'all' (default) = every one that can run here. vanilla is always included. "
+                        "oracle (not in 'all', greedy only): drafts plain decoding's own answer, --depth tokens a "
+                        "step, every one accepted at no draft cost: the ceiling of speculation on this machine")
     g.add_argument("--limit", type=int, default=None, help="first N questions (after --categories and --per-category)")
     g.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
     g.add_argument("--categories", type=_csv, default=None, help="comma-separated categories to keep")
@@ -79,6 +81,11 @@ def _check(args: argparse.Namespace) -> None:
         raise EagleSpecError("bench does not take --stop: every method stops at end-of-sequence or the length limit")
     if args.method and args.methods:
         raise EagleSpecError("give either --methods or --method, not both")
+    from .methods import parse_methods
+
+    if "oracle" in parse_methods(args.methods or args.method or DEFAULT_METHODS) and args.temperature > 0:
+        raise EagleSpecError("method 'oracle' needs greedy decoding: drop --temperature (it drafts plain greedy "
+                             "decoding's answer)")
     if args.adapt and tree_from_args(args) != "auto":
         raise EagleSpecError("--adapt applies to --tree auto: drop --tree fixed and the explicit tree settings")
 

@@ -1,7 +1,8 @@
 """Everything the benchmark can time, behind one interface: `BenchMethod.generate(prompt_ids, ...) -> RunOutput`.
 
 - In-loop methods (`kind="ours"`): vanilla, eagle2, eagle1, chain, eagle3, pld, sps, each an `Engine` over the
-  same loaded transformers model, so only the drafter differs.
+  same loaded transformers model, so only the drafter differs; and `oracle` (eaglespec.bench.oracle: drafts
+  plain decoding's own answer, the ceiling of speculation here; only when asked for, not in 'all').
 - Peers (`kind="peer"`): transformers `generate` (hf: plain greedy/sampling; hf-pld: prompt lookup; hf-assisted:
   a draft model) on the same model object, and llama.cpp (`llamacpp`) on the GGUF file of the same model.
 
@@ -26,12 +27,14 @@ from ..errors import EagleSpecError, MissingPackageError
 
 LOOP_METHODS = ("vanilla", "eagle2", "eagle1", "chain", "eagle3", "pld", "sps")
 PEER_METHODS = ("hf", "hf-pld", "hf-assisted", "llamacpp")
-ALL_METHODS = LOOP_METHODS + PEER_METHODS
+ALL_METHODS = LOOP_METHODS + PEER_METHODS  # what 'all' runs
+CEILING_METHODS = ("oracle",)  # measurements, not methods: run only when named
+KNOWN_METHODS = ALL_METHODS + CEILING_METHODS
 TREE_KEYS = ("total_tokens", "depth", "top_k")
 # Which in-loop methods a swept tree setting changes (the others run once, unswept).
 SWEEP_AFFECTS = {
     "total_tokens": ("eagle2", "eagle3"),
-    "depth": ("eagle2", "eagle3", "chain", "pld", "sps"),
+    "depth": ("eagle2", "eagle3", "chain", "pld", "sps", "oracle"),
     "top_k": ("eagle2", "eagle3"),
 }
 HF_PLD_TOKENS = 10  # transformers' documented prompt_lookup_num_tokens example value
@@ -92,11 +95,14 @@ def cut_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
 class LoopMethod(BenchMethod):
     """One of our methods: an `Engine` around the shared model."""
 
-    def __init__(self, name: str, method: str, engine, settings: dict, sweep: dict | None = None, drafter=None):
+    def __init__(self, name: str, method: str, engine, settings: dict, sweep: dict | None = None, drafter=None,
+                 record_answers: dict | None = None):
         """`drafter`: this variant's drafter in the engine's loop (default: the engine's own), e.g. the adaptive
-        one over the same EAGLE drafter, so variants share one compiled target."""
+        one over the same EAGLE drafter, so variants share one compiled target. `record_answers`: where greedy
+        answers are kept, keyed by (prompt ids, max_new_tokens) (vanilla's, for the oracle)."""
         super().__init__(name, method, "ours", settings, sweep)
         self.engine, self.drafter = engine, drafter or engine.drafter
+        self.record_answers = record_answers
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling) -> RunOutput:
         self.engine.decoder.drafter = self.drafter
@@ -106,6 +112,8 @@ class LoopMethod(BenchMethod):
                                       top_k=sampling.top_k, seed=sampling.seed)
         wall = time.perf_counter() - t0
         s = result.stats
+        if self.record_answers is not None and sampling.greedy:
+            self.record_answers[(tuple(prompt_ids), max_new_tokens)] = list(result.tokens)
         return RunOutput(tokens=list(result.tokens), wall_time=wall, tau=s.tau, target_forwards=s.target_forwards,
                          drafted_forwards=s.drafted_forwards,
                          drafted_per_depth=list(s.drafted_per_depth), accepted_per_depth=list(s.accepted_per_depth),
@@ -221,9 +229,9 @@ def parse_methods(text: str) -> list[str]:
         raise EagleSpecError("--methods is empty: give a comma-separated list, e.g. vanilla,eagle2,pld,hf")
     if names == ["all"]:
         return list(ALL_METHODS)
-    unknown = [n for n in names if n not in ALL_METHODS]
+    unknown = [n for n in names if n not in KNOWN_METHODS]
     if unknown:
-        raise EagleSpecError(f"unknown method '{unknown[0]}'; choose from {', '.join(ALL_METHODS)} (or 'all')")
+        raise EagleSpecError(f"unknown method '{unknown[0]}'; choose from {', '.join(KNOWN_METHODS)} (or 'all')")
     seen: list[str] = []
     for n in names:
         if n not in seen:
@@ -316,7 +324,11 @@ def build_methods(names: list[str], ctx: MethodContext, sweep: tuple[str, list[i
     heads: dict[str, object] = {}
     methods: list[BenchMethod] = []
     peer_models = None  # (model, draft model) for transformers' peers, made once
+    answers = {} if "oracle" in names else None  # vanilla's greedy answers, which the oracle drafts
     for name in names:
+        if name == "oracle":
+            methods += _oracle_methods(methods[0], ctx, sweep, answers)
+            continue
         if name in PEER_METHODS:
             if name == "llamacpp":
                 methods.append(LlamaCppMethod(_gguf_of(ctx.model_name), ctx.threads, ctx.eos_ids))
@@ -359,9 +371,27 @@ def build_methods(names: list[str], ctx: MethodContext, sweep: tuple[str, list[i
             if name == "sps":
                 settings["draft_model"] = getattr(ctx.draft_model.config, "_name_or_path", "") or "draft model"
             label = name if value is None else f"{name}@{sweep[0]}={value}"
-            methods.append(LoopMethod(label, name, engine, settings, None if value is None else {sweep[0]: value}))
+            methods.append(LoopMethod(label, name, engine, settings, None if value is None else {sweep[0]: value},
+                                      record_answers=answers if name == "vanilla" else None))
             if ctx.adapt and engine.tree_choice is not None and value is None:
                 start = DRAFT if engine.tree_choice.speculate else PLAIN
                 methods.append(LoopMethod(f"{name}+adapt", name, engine, {**settings, "adapt": {"start": start}},
                                           drafter=AdaptiveDrafter(engine.drafter, SwitchPolicy(start))))
     return methods
+
+
+def _oracle_methods(vanilla: LoopMethod, ctx: MethodContext, sweep: tuple[str, list[int]] | None,
+                    answers: dict) -> list[BenchMethod]:
+    """The oracle's variants (one per swept depth), drafting in vanilla's engine: the same compiled target."""
+    from .oracle import OracleMethod
+
+    base = TreeSettings() if ctx.tree == "auto" else ctx.tree
+    values = sweep[1] if sweep and "oracle" in SWEEP_AFFECTS[sweep[0]] else [None]
+    out: list[BenchMethod] = []
+    for value in values:
+        tree = base if value is None else TreeSettings(**{**_tree_dict(base), sweep[0]: value})
+        settings = {**vanilla.settings, "tree": _tree_dict(tree), "draft": "plain greedy decoding's own answer"}
+        label = "oracle" if value is None else f"oracle@{sweep[0]}={value}"
+        out.append(OracleMethod(label, vanilla.engine, settings, tree, answers,
+                                None if value is None else {sweep[0]: value}))
+    return out

@@ -99,6 +99,10 @@ def markdown(rows: list[dict], info: dict | None) -> str:
     lines += ["", "tokens/s = all new tokens / all wall time; speedup = that over vanilla's on the same prompts; "
               "tau = tokens per target forward (bonus token included); draft / verify time = share of wall time "
               "(verify includes the prefill).", ""]
+    if any(s.method == "oracle" for s in summaries):
+        lines += ["oracle = a measurement, not a method: it drafts plain decoding's own answer (a chain of --depth "
+                  "tokens), so every draft token is accepted and drafting costs nothing; its speedup is the most "
+                  "any drafter can reach with that many draft tokens per verify pass on this machine.", ""]
     cats = per_category(rows)
     variants = [s.variant for s in summaries]
     lines += ["## Per category: tokens/s, speedup, tau", ""]
