@@ -66,6 +66,7 @@ def test_dtype_auto_follows_the_hardware(monkeypatch):
     import torch
 
     from eaglespec.models import cpu_has_native_bf16, parse_dtype
+    from eaglespec.train.trainer import auto_mixed_precision
 
     assert parse_dtype("auto", "cuda:0") == torch.bfloat16
     assert parse_dtype("auto") == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
@@ -77,6 +78,9 @@ def test_dtype_auto_follows_the_hardware(monkeypatch):
     for native, expected in ((False, torch.float16), (True, torch.bfloat16)):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
         assert parse_dtype("auto", "cuda:0") == expected
+        assert auto_mixed_precision() == ("bf16" if native else "fp16")  # train head's --mixed-precision auto
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert auto_mixed_precision() == "no" and parse_dtype("auto", "cuda:0") == torch.bfloat16
 
 
 def test_shipped_heads_follow_the_registry_preference():

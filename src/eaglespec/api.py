@@ -95,7 +95,8 @@ class Engine:
                    adapt: bool = True, quantize: str | None = None, exact: bool = False,
                    compile: bool = False) -> "Engine":
         """Wrap an already loaded transformers model (and optionally a head, or a draft model for sps).
-        `tree` as for `Engine()`, but None (the fixed defaults) by default."""
+        `tree` as for `Engine()`, but None (the fixed defaults) by default. A head on another device than the model
+        is moved to the model's (in place, as `nn.Module.to` does)."""
         engine = cls.__new__(cls)
         engine.notice = ""
         if method not in METHODS:

@@ -114,6 +114,12 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def gpu_lacks_native_bf16() -> bool:
+    """Whether torch's CUDA GPU only emulates bfloat16 (before Ampere: a T4, a V100), where float16 is the half
+    precision to use. False where torch sees no GPU."""
+    return torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def parse_device(device: str | torch.device = "auto") -> torch.device:
     """"auto": the first CUDA GPU torch sees, else the CPU; "cpu", "cuda" or "cuda:N" as given, checked here so
     a missing GPU is one clear line instead of a failure deep inside the first forward pass."""
@@ -150,8 +156,7 @@ def auto_dtype(device: str = "cpu", compile: bool = False) -> torch.dtype:
     they read bfloat16 weights and multiply in float32, and a decode step on a few cores is bound by reading the
     weights); float32 elsewhere."""
     if str(device).startswith("cuda"):
-        native = not torch.cuda.is_available() or torch.cuda.is_bf16_supported(including_emulation=False)
-        return torch.bfloat16 if native else torch.float16
+        return torch.float16 if gpu_lacks_native_bf16() else torch.bfloat16
     if cpu_has_native_bf16():
         return torch.bfloat16
     from . import bf16gemm

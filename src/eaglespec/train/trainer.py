@@ -22,6 +22,7 @@ import torch
 
 from ..errors import CheckpointError, EagleSpecError
 from ..heads import DraftHead, HeadConfig, build_head, check_head_fits, load_head, save_draft_vocab, save_head
+from ..models import gpu_lacks_native_bf16
 from ..target import TargetModel
 from .data import Example, encode_files, read_conversations
 from .evaluate import draft_accuracy, format_accuracy, log_jsonl
@@ -141,6 +142,14 @@ def read_state(folder: Path) -> dict:
 
 
 # ---- the loop --------------------------------------------------------------------------------------------
+
+def auto_mixed_precision() -> str:
+    """--mixed-precision auto: "bf16" on a GPU, "fp16" on one that only emulates bfloat16 (before Ampere), "no" on
+    a CPU (float32: bf16 autocast there is a choice to make per CPU, see the shipped heads' README)."""
+    if not torch.cuda.is_available():
+        return "no"
+    return "fp16" if gpu_lacks_native_bf16() else "bf16"
+
 class Trainer:
     def __init__(self, config: TrainConfig, hf_model, tokenizer, progress: bool = True):
         from accelerate import Accelerator
@@ -153,10 +162,7 @@ class Trainer:
             raise EagleSpecError(f"--ce-vocab must be full or draft, got '{config.ce_vocab}'")
         self.config = config
         self.progress = progress
-        mp = config.mixed_precision
-        if mp == "auto":
-            mp = "no" if not torch.cuda.is_available() else (
-                "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16")  # fp16 before Ampere
+        mp = auto_mixed_precision() if config.mixed_precision == "auto" else config.mixed_precision
         self.accelerator = Accelerator(mixed_precision=mp)
         self.out = Path(config.out)
         self.out.mkdir(parents=True, exist_ok=True)
