@@ -445,9 +445,10 @@ def test_oracle_drafts_plain_decodings_answer_and_every_draft_token_is_accepted(
 
     # Without vanilla's answers (e.g. --reference): an untimed plain run of the same engine first
     ids = encode([{"role": "user", "content": QUESTIONS[1].turns[0]}])
-    oracle = OracleMethod("oracle", methods[0].engine, {}, TreeSettings(8, 2, 2), answers={})
+    oracle = OracleMethod("oracle", methods[0].engine, {}, TreeSettings(total_tokens=2, depth=2), answers={})
     out = oracle.generate(ids, MAX_NEW, Sampling())
-    assert out.tokens == methods[0].generate(ids, MAX_NEW, Sampling()).tokens and out.accept_lengths[0] == 3
+    assert out.tokens == methods[0].generate(ids, MAX_NEW, Sampling()).tokens
+    assert out.accept_lengths[0] == 3  # a chain of --depth tokens (total_tokens plays no part)
     with pytest.raises(EagleSpecError, match="needs greedy decoding"):
         oracle.generate(ids, MAX_NEW, Sampling(temperature=0.7))
     assert "oracle" not in parse_methods("all") and parse_methods("oracle") == ["oracle"]

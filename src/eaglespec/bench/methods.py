@@ -390,7 +390,7 @@ def _oracle_methods(vanilla: LoopMethod, ctx: MethodContext, sweep: tuple[str, l
     out: list[BenchMethod] = []
     for value in values:
         tree = base if value is None else TreeSettings(**{**_tree_dict(base), sweep[0]: value})
-        settings = {**vanilla.settings, "tree": _tree_dict(tree), "draft": "plain greedy decoding's own answer"}
+        settings = {**vanilla.settings, "tree": {"depth": tree.depth}, "draft": "plain greedy decoding's own answer"}
         label = "oracle" if value is None else f"oracle@{sweep[0]}={value}"
         out.append(OracleMethod(label, vanilla.engine, settings, tree, answers,
                                 None if value is None else {sweep[0]: value}))

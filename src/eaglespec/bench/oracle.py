@@ -21,7 +21,7 @@ Answers = dict[tuple[tuple[int, ...], int], list[int]]  # (prompt ids, max_new_t
 
 
 class OracleDrafter(Drafter):
-    """Proposes the `depth` tokens that follow the committed ones in `sequence` (prompt + known answer); the root
+    """Proposes the `settings.depth` tokens that follow the committed ones in `sequence` (prompt + known answer); the root
     alone where the committed tokens have left it or it has no more tokens."""
 
     name = "oracle"
@@ -30,16 +30,12 @@ class OracleDrafter(Drafter):
         self.settings = settings or TreeSettings()
         self.sequence: list[int] = []
 
-    @property
-    def length(self) -> int:
-        return min(self.settings.depth, self.settings.total_tokens - 1)
-
     def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
         n = tokens.numel()  # tokens [n]: committed sequence ending with the root
         root = int(tokens[-1])
         if n > len(self.sequence) or self.sequence[n - 1] != root:
             return DraftTree.root_only(root)
-        return chain([root] + self.sequence[n : n + self.length])
+        return chain([root] + self.sequence[n : n + self.settings.depth])
 
 
 class OracleMethod(LoopMethod):
