@@ -231,6 +231,8 @@ def test_a_failed_build_is_a_clear_error(monkeypatch):
 def test_the_multiply_loop_is_measured_once_per_machine_and_cached(monkeypatch, tmp_path):
     """Without $EAGLESPEC_BF16_KERNEL the faster loop is measured, kept only if clearly faster, and read back from
     the cache on later runs (so a machine always gets the same bits)."""
+    # variant() loads the kernels: load this CPU's build now, before `isa` names one this CPU may not run
+    bf16gemm.load()
     monkeypatch.setattr(bf16gemm, "isa", lambda: bf16gemm.ISAS["avx512"])  # (a build with two loops)
     monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path))
     monkeypatch.delenv(bf16gemm.VARIANT_ENV, raising=False)
@@ -262,7 +264,9 @@ def test_the_multiply_loop_is_measured_once_per_machine_and_cached(monkeypatch, 
 
 def test_a_build_with_one_loop_uses_it_without_measuring(monkeypatch, tmp_path):
     """The AVX2 build has the FMA loop only: chosen without a measurement or a cache file; forcing the other loop is
-    a clear error."""
+    a clear error, from the loaded AVX2 kernel too (the AVX-512 build runs both loops)."""
+    loaded = bf16gemm.isa()  # the build this CPU loads (`isa` names the AVX2 build below, whatever the CPU)
+    bf16gemm.load()
     monkeypatch.setattr(bf16gemm, "isa", lambda: bf16gemm.ISAS["avx2"])
     monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path))
     monkeypatch.delenv(bf16gemm.VARIANT_ENV, raising=False)
@@ -280,10 +284,15 @@ def test_a_build_with_one_loop_uses_it_without_measuring(monkeypatch, tmp_path):
             bf16gemm.variant()
     finally:
         bf16gemm.variant.cache_clear()
-    if bf16gemm.isa().name == "avx2":
+    x, weight = torch.randn(2, 32).bfloat16(), torch.randn(64, 32).bfloat16()
+    packed_weight = torch.ops.eaglespec.bf16_pack(weight)
+    if loaded.name == "avx2":
         with pytest.raises(RuntimeError, match="only the float32 FMA loop"):
-            torch.ops.eaglespec.bf16_linear(torch.randn(2, 32).bfloat16(), torch.ops.eaglespec.bf16_pack(
-                torch.randn(64, 32).bfloat16()), 64, None, 0)
+            torch.ops.eaglespec.bf16_linear(x, packed_weight, 64, None, bf16gemm.VARIANTS["dpbf16"])
+    else:
+        assert "dpbf16" in loaded.variants
+        y = torch.ops.eaglespec.bf16_linear(x, packed_weight, 64, None, bf16gemm.VARIANTS["dpbf16"])
+        torch.testing.assert_close(y.float(), reference(x, weight, None), atol=0.05, rtol=0.02)
 
 
 def test_an_unknown_loop_name_is_a_clear_error(monkeypatch):

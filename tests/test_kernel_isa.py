@@ -4,7 +4,7 @@ CPU flags are faked, so these run on any machine."""
 import pytest
 import torch
 
-from eaglespec import bf16gemm, models
+from eaglespec import bf16gemm, models, q4
 from eaglespec.errors import EagleSpecError
 
 AVX512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
@@ -51,13 +51,30 @@ def test_the_avx2_build_can_be_forced_but_not_a_missing_one(flags, monkeypatch):
 
 def test_builds_share_the_schemas_and_packing():
     """Every build compiles csrc/ops.cpp (the schemas, the weight packing), the ISA-neutral commit and its own
-    version of every operator; the AVX2 build also has the 4-bit block product (eaglespec.q4)."""
+    version of every operator; both compile the AVX2 4-bit block product (eaglespec.q4), which an AVX-512 CPU runs
+    too, so the AVX-512 build also requires and passes the flags it needs."""
+    avx2 = bf16gemm.ISAS["avx2"]
     for build in bf16gemm.ISAS.values():
         names = [source.name for source in build.sources]
         assert names[0] == "ops.cpp" and "commit_rows.cpp" in names and all(s.is_file() for s in build.sources)
-        extra = ["q4_gemm.cpp"] if build.name == "avx2" else []
         assert sorted(names) == sorted(["ops.cpp", "commit_rows.cpp", "bf16_gemm.cpp", "tree_attention.cpp",
-                                        "argmax_rows.cpp", "topk_rows.cpp", "screened_argmax.cpp", *extra])
+                                        "argmax_rows.cpp", "topk_rows.cpp", "screened_argmax.cpp", "q4_gemm.cpp"])
+        assert build.has_q4 and bf16gemm.Q4_SOURCE in build.sources
+        # the CPU flags and compiler flags the AVX2 source needs (-mavx512f implies -mavx2, not -mf16c)
+        assert avx2.cpu_flags <= build.cpu_flags and set(avx2.flags) - {"-mavx2"} <= set(build.flags)
+
+
+def test_both_builds_have_the_4bit_product(flags, monkeypatch):
+    """eaglespec.q4 runs wherever a build of the kernels does (AVX-512 CPUs included), unless turned off."""
+    monkeypatch.delenv(q4.ENV, raising=False)
+    for cpu in (AVX512, AVX2):
+        flags(cpu)
+        assert bf16gemm.isa().has_q4 and q4.available()
+    flags({"sse4_2", "avx"})
+    assert not q4.available()
+    flags(AVX512)
+    monkeypatch.setenv(q4.ENV, "0")
+    assert not q4.available()
 
 
 def test_auto_dtype_is_bfloat16_where_the_kernels_run_compiled(monkeypatch):

@@ -1,8 +1,8 @@
 """Exact 4-bit block weights (eaglespec.q4, csrc/avx2/q4_gemm.cpp): finding llama.cpp's Q4_1 form in float32 weights
 (checked against gguf's own quantizer), the packing, the product (the exact product rounded once to bfloat16 up to
 float32 rounding, row-invariant), and a compiled bfloat16 target whose layers use it, decoding
-speculatively to plain decoding's tokens. The kernel tests need the AVX2 build (`q4.available()`); the form and
-packing checks run everywhere."""
+speculatively to plain decoding's tokens. The kernel tests need a build of the kernels (AVX2, or AVX-512, which
+compiles the same 4-bit source: `q4.available()`) and a compiler; the form and packing checks run everywhere."""
 
 import numpy as np
 import pytest
@@ -19,7 +19,7 @@ from test_engine import PROMPTS, random_head
 from test_fastpath import PROMPT
 
 needs_kernel = pytest.mark.skipif(not (q4.available() and bf16gemm.can_build()),
-                                  reason="the 4-bit product is in the AVX2 build of the kernels (and needs a compiler)")
+                                  reason="the 4-bit product needs a CPU with AVX2 + FMA + F16C and a C++ compiler")
 
 
 def q4_1(weight: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ number of rows, the two builds alternating call by call so that a VM whose speed
 
     python benchmarks/scripts/q4_ab.py --against d1b9b2b~1 [--rows 1,2,3,4,6,8] [--repeats 30] [--threads 2]
 
-Prints the median milliseconds of a step's layer products (the LM head is not included) for each build. AVX2 only.
+Prints the median milliseconds of a step's layer products (the LM head is not included) for each build (built with the
+AVX2 flags, which AVX-512 CPUs run too).
 """
 
 import argparse
@@ -32,7 +33,7 @@ p.add_argument("--threads", type=int, default=2)
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 if not q4.available():
-    raise SystemExit("the 4-bit block product is in the AVX2 build of the kernels: this CPU loads another (or none)")
+    raise SystemExit("the 4-bit block product needs a CPU with AVX2 + FMA + F16C (or AVX-512), and EAGLESPEC_Q4 not 0")
 
 builds = {"this": (ROOT / SOURCE).read_text(),
           args.against: subprocess.run(["git", "show", f"{args.against}:{SOURCE}"], cwd=ROOT, check=True,

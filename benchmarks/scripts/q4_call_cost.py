@@ -4,7 +4,7 @@ first gate/up matrix (held in cache: the same matrix again and again), on 1 and 
     python benchmarks/scripts/q4_call_cost.py [--columns 64,256,1024,3072] [--calls 200] [--rounds 30]
 
 Prints the median microseconds a call: with 64 columns the work is nil and what is left is the call's fixed cost;
-with 3072 the product itself (benchmarks/RESULTS.md, session 28). AVX2 build only.
+with 3072 the product itself (benchmarks/RESULTS.md, session 28). Either build (AVX2, AVX-512).
 """
 
 import argparse
@@ -22,7 +22,7 @@ p.add_argument("--calls", type=int, default=200)
 p.add_argument("--rounds", type=int, default=30)
 args = p.parse_args()
 if not q4.available():
-    raise SystemExit("the 4-bit block product is in the AVX2 build of the kernels: this CPU loads another (or none)")
+    raise SystemExit("the 4-bit block product needs a CPU with AVX2 + FMA + F16C (or AVX-512), and EAGLESPEC_Q4 not 0")
 bf16gemm.load()
 gate_up = step_matrices()[2]  # [3072, 576]
 x = torch.randn(1, gate_up.shape[1]).bfloat16()

@@ -1,6 +1,7 @@
 """The layer products of one SmolLM2-135M decode step (30 layers' fused QKV, O, gate/up and down: the real weights of
 the default model, read back as float32 from its converted GGUF folder) for M rows, through the exact 4-bit block
-kernel (eaglespec.q4, 66 MB) and the bfloat16 kernel (eaglespec.bf16gemm, 212 MB), interleaved. AVX2 build only.
+kernel (eaglespec.q4, 66 MB) and the bfloat16 kernel (eaglespec.bf16gemm, 212 MB), interleaved. Either build
+(AVX2, AVX-512).
 
     python benchmarks/scripts/q4_cost.py [--threads 2] [--rows 1,2,3,4,6,8] [--repeats 9]
 
@@ -23,7 +24,7 @@ p.add_argument("--repeats", type=int, default=9)
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 if not q4.available():
-    raise SystemExit("the 4-bit block product is in the AVX2 build of the kernels: this CPU loads another (or none)")
+    raise SystemExit("the 4-bit block product needs a CPU with AVX2 + FMA + F16C (or AVX-512), and EAGLESPEC_Q4 not 0")
 matrices = step_matrices()
 blocks = [q4.find_blocks(w) for w in matrices]
 if any(b is None for b in blocks):

@@ -1,6 +1,6 @@
 """Weights per second of the 4-bit block product (eaglespec.q4) against the bfloat16 kernel, on random blocks: a
 matrix that stays in L2 (256 x 576, call overhead included) and one far larger than the caches (92,160 x 576: 30
-steps' worth of gate/up rows), for 1-3 rows and 1 and 2 threads. AVX2 build only.
+steps' worth of gate/up rows), for 1-3 rows and 1 and 2 threads. Either build (AVX2, AVX-512).
 
     python benchmarks/scripts/q4_kernel_rate.py
 """
@@ -13,7 +13,7 @@ import torch
 from eaglespec import bf16gemm, q4
 
 if not q4.available():
-    raise SystemExit("the 4-bit block product is in the AVX2 build of the kernels: this CPU loads another (or none)")
+    raise SystemExit("the 4-bit block product needs a CPU with AVX2 + FMA + F16C (or AVX-512), and EAGLESPEC_Q4 not 0")
 bf16gemm.load()
 generator = torch.Generator().manual_seed(0)
 

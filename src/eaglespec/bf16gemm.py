@@ -51,6 +51,11 @@ class Isa:
     flags: tuple[str, ...]
     variants: tuple[str, ...]  # the multiply loops of its bf16_linear (VARIANTS' names)
 
+    @property
+    def has_q4(self) -> bool:
+        """Whether this build has the 4-bit block product (torch.ops.eaglespec.q4_linear, eaglespec.q4)."""
+        return Q4_SOURCE in self.sources
+
 
 # The bfloat16 products, the decode-step attention, the KV-cache commit of an accepted path (csrc/commit_rows.cpp,
 # plain C++ in both builds), the verified rows' argmax, the draft's top-k and greedy decoding's screened LM head,
@@ -58,17 +63,23 @@ class Isa:
 # builds share. AVX-512 (with BF16 and VNNI): csrc/*.cpp. AVX2 + FMA (most x86 CPUs of the last ten years, AMD Zen 1-3
 # and Intel's client cores among them): csrc/avx2/*.cpp, the same operators and layouts on 8-lane vectors; its
 # bfloat16 product is the FMA loop only (no bfloat16 dot-product instruction), with the same bits as the AVX-512
-# build's FMA loop, and the greedy screen multiplies bytes with vpmaddubsw instead of VNNI.
+# build's FMA loop, and the greedy screen multiplies bytes with vpmaddubsw instead of VNNI. The 4-bit block product
+# (csrc/avx2/q4_gemm.cpp, eaglespec.q4) exists in AVX2 only and is compiled into both builds: every AVX-512 CPU also
+# runs AVX2 + FMA + F16C code, hence those flags in the AVX-512 build's requirements (GCC's -mavx512f does not imply
+# -mf16c, which the 4-bit product's float16 scales need).
+Q4_SOURCE = CSRC / "avx2" / "q4_gemm.cpp"
 ISAS = {
-    "avx512": Isa("avx512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}),
+    "avx512": Isa("avx512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
+                                       "avx2", "fma", "f16c"}),
                   tuple(CSRC / name for name in ("ops.cpp", "bf16_gemm.cpp", "tree_attention.cpp", "commit_rows.cpp",
-                                                 "argmax_rows.cpp", "topk_rows.cpp", "screened_argmax.cpp")),
+                                                 "argmax_rows.cpp", "topk_rows.cpp", "screened_argmax.cpp"))
+                  + (Q4_SOURCE,),
                   ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
-                   "-mfma", "-fopenmp"), ("dpbf16", "fma")),
+                   "-mfma", "-mf16c", "-fopenmp"), ("dpbf16", "fma")),
     "avx2": Isa("avx2", frozenset({"avx2", "fma", "f16c"}),
                 tuple([CSRC / "ops.cpp", CSRC / "commit_rows.cpp"]
                       + [CSRC / "avx2" / name for name in ("bf16_gemm.cpp", "tree_attention.cpp", "argmax_rows.cpp",
-                                                           "topk_rows.cpp", "screened_argmax.cpp", "q4_gemm.cpp")]),
+                                                           "topk_rows.cpp", "screened_argmax.cpp")] + [Q4_SOURCE]),
                 ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"), ("fma",)),
 }
 ISA_ENV = "EAGLESPEC_KERNEL_ISA"  # avx2 forces the AVX2 build on an AVX-512 CPU (to test or compare it)
@@ -113,7 +124,7 @@ def available(dtype: torch.dtype, device: torch.device | str) -> bool:
 @functools.cache
 def load() -> None:
     """Build (first time only) and load the kernels; registers torch.ops.eaglespec.bf16_*, tree_attention,
-    commit_rows and argmax_rows."""
+    commit_rows, argmax_rows, topk_rows, screened_argmax, int8_linear and q4_*."""
     from torch.utils.cpp_extension import load as build
 
     build_isa = isa()
@@ -137,7 +148,7 @@ def load() -> None:
     def _(x: Tensor, packed: Tensor, scale: Tensor, n: int, bias: Tensor | None) -> Tensor:
         return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
-    if build_isa.name == "avx2":  # csrc/avx2/q4_gemm.cpp (eaglespec.q4)
+    if build_isa.has_q4:  # csrc/avx2/q4_gemm.cpp (eaglespec.q4)
         @torch.library.register_fake("eaglespec::q4_linear")
         def _(x: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor:
             return x.new_empty(x.shape[0], n)

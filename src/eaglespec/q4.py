@@ -9,9 +9,10 @@ and sums each block as d sum(x q) + m sum(x), every product x q exact. Nothing i
 rounding: these products are those of the float32 model's weights (closer to it than bfloat16 ones), with bfloat16
 activations as in the bfloat16 kernel, and a row gets the same bits whatever else is in the call.
 
-Used by `--compile` bfloat16 targets where the AVX2 build of the kernels runs (`available`); $EAGLESPEC_Q4=0 turns
-it off (the layers then use the bfloat16 kernel). Weights without the form (a model from safetensors, a Q8_0 or K-quant
-tensor) stay on the bfloat16 kernel, layer matrix by layer matrix.
+Used by `--compile` bfloat16 targets wherever eaglespec's kernels run (`available`: the AVX2 build, and the AVX-512
+build, which compiles the same AVX2 source); $EAGLESPEC_Q4=0 turns it off (the layers then use the bfloat16 kernel).
+Weights without the form (a model from safetensors, a Q8_0 or K-quant tensor) stay on the bfloat16 kernel, layer
+matrix by layer matrix.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ ENV = "EAGLESPEC_Q4"
 
 
 def available() -> bool:
-    """True where Q4Linear runs: the AVX2 build of the kernels is this CPU's (the AVX-512 build has no 4-bit
-    product yet) and $EAGLESPEC_Q4 is not 0."""
+    """True where Q4Linear runs: this CPU loads a build of the kernels with the 4-bit product (both builds have it:
+    the AVX-512 one compiles csrc/avx2/q4_gemm.cpp too) and $EAGLESPEC_Q4 is not 0."""
     build = bf16gemm.isa()
-    return build is not None and build.name == "avx2" and os.environ.get(ENV, "1").strip() != "0"
+    return build is not None and build.has_q4 and os.environ.get(ENV, "1").strip() != "0"
 
 
 @dataclass(frozen=True)
