@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from eaglespec import Engine, TreeSettings
+from eaglespec import autotree
+from eaglespec.cpuload import LoadMonitor, LoadReading
 from eaglespec.autotree import (Candidates, TreeChoice, _candidates, auto_tree, cache_path, check_by_decoding, choose,
                                 verify_costs)
 from eaglespec.drafters import EagleDrafter
@@ -150,14 +152,27 @@ def test_verify_costs_time_passes_over_the_given_text(monkeypatch):
     assert len(seen[0]) == 64 and seen[0] != text[:64]
 
 
-def test_auto_tree_engine_is_lossless_and_cached():
+class QuietMonitor(LoadMonitor):
+    """A LoadMonitor whose reading says nothing else ran (the machine running the tests may be busy)."""
+
+    def __exit__(self, *exc) -> None:
+        self.reading = LoadReading(0.0, 1.0)
+
+
+class BusyMonitor(LoadMonitor):
+    def __exit__(self, *exc) -> None:
+        self.reading = LoadReading(0.9, 1.0)
+
+
+def test_auto_tree_engine_is_lossless_and_cached(monkeypatch):
     model = make_model("llama")
     head = random_head(model, "eagle3")
     from eaglespec.models import cache_root
 
+    monkeypatch.setattr(autotree, "LoadMonitor", QuietMonitor)
     verify_files = set((cache_root() / "trees").glob("verify-*.json"))  # other tests may have measured this target
     engine = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2")
-    choice = auto_tree(engine, prompts=[[5, 17, 33, 2, 9, 40], [60, 61, 62]], new_tokens=24)
+    choice = auto_tree(engine, prompts=[[5, 17, 33, 2, 9, 40], [60, 61, 62]], new_tokens=24, calibrate=True)
     assert not choice.cached and choice.positions == 2 * 8  # (24 - 8) / 2 positions per prompt
     assert choice.measured_tokens_per_s > 0 and choice.measured_vanilla_tokens_per_s > 0  # checked by decoding
     assert choice.settings == engine.drafter.settings
@@ -170,10 +185,48 @@ def test_auto_tree_engine_is_lossless_and_cached():
     prompt = [5, 17, 33, 2, 9, 40]
     assert engine.generate(prompt, max_new_tokens=20).tokens == vanilla_tokens(model, prompt, 20)
     chain = Engine.from_model(model, TinyTokenizer(), head=head, method="chain")
-    auto_tree(chain, prompts=[[5, 17, 33, 2, 9, 40]], new_tokens=24)
+    auto_tree(chain, prompts=[[5, 17, 33, 2, 9, 40]], new_tokens=24, calibrate=True)
     new_files = set((cache_root() / "trees").glob("verify-*.json")) - verify_files
     assert len(new_files) <= 1  # verify costs measured once per target, shared by both drafters
     assert chain.drafter.settings.top_k == 1 and chain.drafter.settings.total_tokens == chain.drafter.settings.depth + 1
+
+
+def test_a_disturbed_calibration_is_used_but_not_cached(monkeypatch, capsys):
+    model = make_model("llama", seed=5)
+    head = random_head(model, "eagle1")
+    monkeypatch.setattr(autotree, "LoadMonitor", BusyMonitor)
+    engine = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2")
+    choice = auto_tree(engine, prompts=[[5, 17, 33, 2, 9, 40]], new_tokens=24, calibrate=True)
+    assert choice.source == "calibrated" and engine.drafter.settings == choice.settings
+    assert not cache_path(engine, "dynamic").is_file()
+    assert "not cached: other processes used 0.90 cores" in capsys.readouterr().err
+    assert "0.90 cores" in choice.load
+    # the next run starts from the CPU class's default again, without measuring
+    again = Engine.from_model(model, TinyTokenizer(), head=head, tree="auto", adapt=False)
+    assert again.tree_choice.source == "default" and not again.tree_choice.cached
+
+
+def test_first_run_uses_the_cpu_class_default_without_measuring(monkeypatch):
+    """No calibration on this machine yet: `--tree auto` starts at once from DEFAULT_TREES and drafts, adapting."""
+    from eaglespec.adaptive import DRAFT, AdaptiveDrafter
+
+    def never(*args, **kwargs):
+        raise AssertionError("measured on a first run")
+
+    monkeypatch.setattr(autotree, "verify_costs", never)
+    monkeypatch.setattr(autotree, "record_candidates", never)
+    model = make_model("llama", seed=6)
+    head = random_head(model, "eagle1")
+    engine = Engine.from_model(model, TinyTokenizer(), head=head, tree="auto")
+    choice = engine.tree_choice
+    assert choice.source == "default" and choice.speculate
+    assert engine.drafter.settings == autotree.DEFAULT_TREES[autotree.cpu_class()]
+    assert isinstance(engine.drafter, AdaptiveDrafter) and engine.drafter.policy.chosen == DRAFT
+    assert "not yet calibrated" in engine.notice and "--tree calibrate" in engine.notice
+    chain = Engine.from_model(model, TinyTokenizer(), head=head, method="chain", tree="auto")
+    assert chain.drafter.settings.top_k == 1
+    prompt = [5, 17, 33, 2, 9, 40]
+    assert engine.generate(prompt, max_new_tokens=16).tokens == vanilla_tokens(model, prompt, 16)
 
 
 def test_tree_must_be_auto_or_settings():

@@ -130,8 +130,9 @@ def model():
     return make_cpu_model("qwen2", layers=2).to(torch.bfloat16)  # q/k/v biases and GQA
 
 
-def test_compiled_bfloat16_target_uses_the_kernel(model):
-    eager = FastTarget(model, "final")
+def test_bfloat16_targets_use_the_kernel_eager_and_compiled(model):
+    eager = FastTarget(model, "final", kernels=False)  # torch's products (oneDNN), for comparison
+    assert FastTarget(model, "final").bf16_gemm  # the default, eager
     compiled = FastTarget(model, "final", compile=True)
     assert compiled.bf16_gemm and not eager.bf16_gemm
     assert isinstance(compiled.logits_head, bf16gemm.Bf16Linear)
@@ -160,7 +161,7 @@ def test_tree_calibration_is_kept_per_multiply_loop(model, monkeypatch):
         monkeypatch.setenv(bf16gemm.VARIANT_ENV, name)
         bf16gemm.variant.cache_clear()
         keys[name] = (autotree._target_key(FastTarget(model, "final", compile=True)),
-                      autotree._target_key(FastTarget(model, "final")))
+                      autotree._target_key(FastTarget(model, "final", kernels=False)))
     bf16gemm.variant.cache_clear()
     for compiled_key, eager_key in keys.values():
         assert f"|{bf16gemm.isa().name}|" in compiled_key and compiled_key != eager_key

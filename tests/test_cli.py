@@ -55,8 +55,7 @@ def test_raw_prompt_generates(capsys, model_dir):
     (["--top-k", "-3"], "top_k"),
     (["--max-new-tokens", "0"], "max-new-tokens"),
     (["--head", "/no/such/head"], "not a head folder"),
-    (["--compile", "--quantize", "int8"], "drop --quantize / --exact"),
-    (["--compile", "--exact"], "drop --quantize / --exact"),
+    (["--compile", "--quantize", "int8"], "not --quantize"),
     (["--device", "tpu"], "unknown device 'tpu'"),
     (["--device", "cuda:7"], "CUDA GPU"),  # none here, or fewer than 8
 ])

@@ -77,15 +77,14 @@ def test_both_builds_have_the_4bit_product(flags, monkeypatch):
     assert not q4.available()
 
 
-def test_auto_dtype_is_bfloat16_where_the_kernels_run_compiled(monkeypatch):
-    """On a CPU without native bfloat16, `auto` is bfloat16 only with --compile where the kernels run (AVX2: they
-    read bfloat16 weights and multiply in float32), float32 otherwise; native bfloat16 CPUs always get bfloat16."""
+def test_auto_dtype_is_bfloat16_where_the_kernels_run(monkeypatch):
+    """On a CPU without native bfloat16, `auto` is bfloat16 where the kernels run (AVX2: they read bfloat16 weights
+    and multiply in float32), float32 otherwise; native bfloat16 CPUs always get bfloat16."""
     monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
     monkeypatch.setattr(bf16gemm, "available", lambda dtype, device: True)
-    assert models.parse_dtype("auto", "cpu", compile=True) == torch.bfloat16
-    assert models.parse_dtype("auto", "cpu") == torch.float32
-    assert models.parse_dtype("float32", "cpu", compile=True) == torch.float32  # explicit choices stay
+    assert models.parse_dtype("auto", "cpu") == torch.bfloat16
+    assert models.parse_dtype("float32", "cpu") == torch.float32  # explicit choices stay
     monkeypatch.setattr(bf16gemm, "available", lambda dtype, device: False)
-    assert models.parse_dtype("auto", "cpu", compile=True) == torch.float32
+    assert models.parse_dtype("auto", "cpu") == torch.float32
     monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
     assert models.parse_dtype("auto", "cpu") == torch.bfloat16

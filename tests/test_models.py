@@ -69,7 +69,10 @@ def test_dtype_auto_follows_the_hardware(monkeypatch):
     from eaglespec.train.trainer import auto_mixed_precision
 
     assert parse_dtype("auto", "cuda:0") == torch.bfloat16
-    assert parse_dtype("auto") == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    from eaglespec import bf16gemm
+
+    kernels = bf16gemm.available(torch.bfloat16, "cpu")
+    assert parse_dtype("auto") == (torch.bfloat16 if cpu_has_native_bf16() or kernels else torch.float32)
     assert parse_dtype("bf16") == torch.bfloat16
     with pytest.raises(EagleSpecError, match="auto, float32"):
         parse_dtype("float8")

@@ -114,8 +114,8 @@ def test_bfloat16_target_is_packed_and_matches_the_unpacked_one():
 def test_packed_float32_target_with_row_invariant_attention_is_bit_exact(arch):
     """Packed layers plus row-by-row attention: a verified tree row equals the one-token steps bit for bit."""
     target = make_target(make_cpu_model(arch), "final")
-    assert isinstance(target, FastTarget) and target.pack and not target.row_invariant  # the float32 defaults
-    target.row_invariant = True
+    assert isinstance(target, FastTarget) and target.pack and target.row_invariant  # the float32 defaults: exact
+    assert not make_target(make_cpu_model(arch), "final", exact=False).row_invariant  # --no-exact: batched
     tree, steps, chain = tree_rows_and_steps(target, torch.tensor(PROMPTS[1]), [7, 3, 9])
     assert torch.equal(tree, steps) and torch.equal(chain, steps)
 
@@ -249,7 +249,7 @@ def test_exact_engine_gives_plain_decodings_tokens(dtype):
     head = random_head(model, "eagle1").to(dtype)
     engine = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2", exact=True,
                                tree=TreeSettings(total_tokens=12, depth=4, top_k=3))
-    plain = Engine.from_model(model, TinyTokenizer(), method="vanilla")
+    plain = Engine.from_model(model, TinyTokenizer(), method="vanilla", exact=False)
     assert engine.target.row_invariant and not plain.target.row_invariant
     for prompt in PROMPTS:
         assert engine.generate(prompt, max_new_tokens=24).tokens == plain.generate(prompt, max_new_tokens=24).tokens

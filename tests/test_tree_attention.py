@@ -172,10 +172,23 @@ def verify_rows_equal_plain_steps(target, prefix: list[int]) -> None:
 
 
 def test_exact_bfloat16_verify_rows_equal_plain_steps(model):
-    """Row-invariant decode steps (--exact) attend through the kernel (not one attention call per row)."""
-    exact = FastTarget(model, "final", row_invariant=True)
+    """Row-invariant decode steps (--exact) attend through the kernel (not one attention call per row), also with
+    torch's products."""
+    exact = FastTarget(model, "final", row_invariant=True, kernels=False)
     assert exact.attention_kernel and exact.cache_dtype == torch.bfloat16  # every decode step through the kernel
     verify_rows_equal_plain_steps(exact, prefix=[])
+
+
+@pytest.mark.parametrize("dims", [{}, {"hidden_size": 80, "num_attention_heads": 5, "num_key_value_heads": 1,
+                                       "intermediate_size": 176}], ids=["tiny", "odd-widths"])
+def test_default_eager_bfloat16_verify_rows_equal_plain_steps(dims):
+    """The default target (no flags): eager decode steps whose products, attention and greedy head are the kernels'.
+    Every other operation of a step (norms, RoPE, SiLU, residual adds) works on each row alone, so a tree row has
+    the bits of the one-token steps that reach it; widths that leave vector tails are included."""
+    model = make_cpu_model("llama", layers=3, **dims).to(torch.bfloat16)
+    target = FastTarget(model, "final")
+    assert target.bf16_gemm and target.tree_kernel and not target.compiled and target.greedy_head is not None
+    verify_rows_equal_plain_steps(target, prefix=[7, 3])
 
 
 @pytest.fixture(scope="module")
@@ -192,15 +205,16 @@ def test_compiled_bfloat16_verify_rows_equal_plain_steps(compiled):
     verify_rows_equal_plain_steps(compiled, prefix=[7])  # (decode steps over a cached prefix run compiled)
 
 
-@pytest.mark.parametrize("option", ["exact", "compile"])
+@pytest.mark.parametrize("option", ["default", "exact", "compile"])
 def test_bfloat16_speculative_tokens_equal_plain_decoding(model, option):
     head = random_head(model, "eagle1").to(torch.bfloat16)
-    plain = Engine.from_model(model, TinyTokenizer(), method="vanilla", **{option: True})
-    spec = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2", **{option: True},
+    flags = {} if option == "default" else {option: True}
+    plain = Engine.from_model(model, TinyTokenizer(), method="vanilla", **flags)
+    spec = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2", **flags,
                              tree=TreeSettings(total_tokens=8, depth=4, top_k=3))
-    assert spec.target.attention_kernel and (spec.target.row_invariant or spec.target.tree_kernel)
-    # --compile: both pick greedy tokens through the screened LM head (bf16gemm.GreedyHead), not the logits
-    assert (spec.target.greedy_head is not None) == (plain.target.greedy_head is not None) == (option == "compile")
+    assert spec.target.attention_kernel and spec.target.tree_kernel
+    # both pick greedy tokens through the screened LM head (bf16gemm.GreedyHead), not the logits
+    assert spec.target.greedy_head is not None and plain.target.greedy_head is not None
     taus = []
     for prompt in PROMPTS:
         expected = plain.generate(prompt, max_new_tokens=40)
@@ -213,7 +227,7 @@ def test_bfloat16_speculative_tokens_equal_plain_decoding(model, option):
 def test_compiled_bfloat16_target_attends_through_the_kernel(model, compiled):
     """--compile: the decode graphs call the kernel; their rows stay close to the eager path's (other products and
     attention: close, not bit-equal)."""
-    eager = FastTarget(model, "final")
+    eager = FastTarget(model, "final", kernels=False)
     assert compiled.tree_kernel and not eager.tree_kernel
     assert eager.cache_dtype == torch.float32  # its decode steps attend through torch: a float32 cache
     for t in (eager, compiled):

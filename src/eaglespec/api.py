@@ -52,25 +52,28 @@ class Engine:
         draft_vocab: int | None = None,
         adapt: bool = True,
         quantize: str | None = None,
-        exact: bool = False,
+        exact: bool | None = None,
         compile: bool = False,
     ):
-        """`tree`: "auto" (EAGLE-2 / chain: calibrated for this machine once, then cached), explicit
+        """`tree`: "auto" (EAGLE-2 / chain: this machine's cached calibration, else a default for its CPU class,
+        refined while generating by the adaptive policy), "calibrate" (measure now, cache when undisturbed), explicit
         `TreeSettings`, or None (the defaults). `draft_vocab` (EAGLE-1 heads): size of the drafting vocabulary
         subset, None = the head's default, 0 = the full vocabulary. `dtype` "auto": bfloat16 on a GPU or a CPU with
         native bfloat16 (and with `compile` on a CPU with AVX2, where eaglespec's kernels read bfloat16 weights),
         float32 elsewhere. `adapt`: with tree="auto", switch between drafting and plain decoding during
         generation, whichever the last rounds measured faster (eaglespec.adaptive; False: always draft). `quantize`:
         "int8" / "int4" weight-only target on CPU (changes the model; output stays lossless w.r.t. it). `exact`:
-        verify passes bit-identical to one-token steps in any dtype (each row attends as a one-token step does; fast
-        path only). `device`: "auto" (the first CUDA GPU torch sees, else the CPU), "cpu", "cuda" or "cuda:N".
+        verify passes bit-identical to one-token steps, so greedy output equals plain decoding's token for token;
+        None (the default) = on wherever the fast path runs on a CPU (free with eaglespec's kernels, row-by-row
+        attention elsewhere), off on a GPU (see `fastpath.make_target`). `device`: "auto" (the first CUDA GPU torch
+        sees, else the CPU), "cpu", "cuda" or "cuda:N".
         `compile`: the target's decode steps through torch.compile (fast path; tens of seconds at start)."""
         if method not in METHODS:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
         if method == "sps" and not draft_model:
             raise EagleSpecError("method 'sps' needs a smaller draft model sharing the tokenizer: pass --draft-model")
         device = parse_device(device)
-        dtype = parse_dtype(dtype, device, compile)
+        dtype = parse_dtype(dtype, device)
         hf_model, tokenizer = load_target(model, dtype=dtype, device=device)
         self.notice = ""
         head_module = None
@@ -92,7 +95,7 @@ class Engine:
     @classmethod
     def from_model(cls, hf_model, tokenizer, head: DraftHead | None = None, method: str = "eagle2",
                    tree: TreeSettings | str | None = None, draft_hf_model=None, backend: str = "auto",
-                   adapt: bool = True, quantize: str | None = None, exact: bool = False,
+                   adapt: bool = True, quantize: str | None = None, exact: bool | None = None,
                    compile: bool = False) -> "Engine":
         """Wrap an already loaded transformers model (and optionally a head, or a draft model for sps).
         `tree` as for `Engine()`, but None (the fixed defaults) by default. A head on another device than the model
@@ -112,9 +115,9 @@ class Engine:
 
     def _setup(self, hf_model, tokenizer, head: DraftHead | None, method: str, tree: TreeSettings | str | None,
                head_name: str, backend: str = "auto", adapt: bool = True, quantize: str | None = None,
-               exact: bool = False, compile: bool = False) -> None:
-        if isinstance(tree, str) and tree != "auto":
-            raise EagleSpecError(f"tree must be 'auto' or explicit settings, got '{tree}'")
+               exact: bool | None = None, compile: bool = False) -> None:
+        if isinstance(tree, str) and tree not in ("auto", "calibrate"):
+            raise EagleSpecError(f"tree must be 'auto', 'calibrate' or explicit settings, got '{tree}'")
         quantize = check_mode(quantize, next(hf_model.parameters()).device)  # "none" -> None
         feature_kind = None if head is None else ("eagle3" if head.config.kind == "eagle3" else "final")
         self.target = make_target(hf_model, feature_kind=feature_kind, backend=backend, quantize=quantize,
@@ -127,10 +130,10 @@ class Engine:
         settings = None if isinstance(tree, str) else tree
         self.decoder = SpecDecoder(self.target, tokenizer, self._make_drafter(method, head, settings, head_name))
         self.tree_choice = None
-        if tree == "auto" and method in ("eagle2", "chain") and head is not None:
+        if tree in ("auto", "calibrate") and method in ("eagle2", "chain") and head is not None:
             from .autotree import auto_tree
 
-            choice = self.tree_choice = auto_tree(self)
+            choice = self.tree_choice = auto_tree(self, calibrate=tree == "calibrate")
             self.notice = "; ".join(filter(None, [self.notice, choice.summary()]))
             if adapt:
                 start = DRAFT if choice.speculate else PLAIN
@@ -144,7 +147,8 @@ class Engine:
         if head is not None:
             check_head_fits(head, self.target, head_name)
             drafter = EagleDrafter(head, self.target.embed_tokens, self.target.lm_head, MODES[method], tree,
-                                   compile=bool(getattr(self.target, "compiled", False)))
+                                   compile=bool(getattr(self.target, "compiled", False)),
+                                   kernels=bool(getattr(self.target, "bf16_gemm", False)))
             if getattr(self.target, "pack", False) and hasattr(drafter.head, "share_packed_lm_head"):
                 drafter.head.share_packed_lm_head(self.target.lm_head.weight, self.target.logits_head)
             return drafter

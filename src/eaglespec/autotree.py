@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from . import bf16gemm
+from .cpuload import LoadMonitor
 from .drafters import EagleDrafter, TreeSettings, VanillaDrafter
 from .models import synchronize
 from .target import TargetModel
@@ -62,6 +63,27 @@ VERSION = 15  # bump when the calibration changes meaning (3: bfloat16 packed, f
 # text, not random tokens; 14: EAGLE-1 draft rows through the kernel on AVX2 too; 15: compiled graphs keep small
 # fused loops on one thread, attention reads strided queries; since then the kernels' source digest is part of the
 # key, so a kernel change alone needs no bump)
+
+
+# What `--tree auto` uses before this machine is calibrated (`--tree calibrate`), by CPU class: the settings
+# calibrations chose for SmolLM2-135M's shipped heads (benchmarks/RESULTS.md): on AVX-512 BF16 machines (Zen 5,
+# Emerald Rapids) 4-6 tokens two levels deep; on AVX2 ones, whose wider verify passes cost more per row, the root's
+# best children only. The adaptive policy (eaglespec.adaptive) then stops drafting while generating where it does
+# not pay.
+DEFAULT_TREES = {
+    "gpu": TreeSettings(total_tokens=16, depth=5, top_k=4),
+    "avx512": TreeSettings(total_tokens=4, depth=2, top_k=2),
+    "avx2": TreeSettings(total_tokens=2, depth=1, top_k=8),
+    "cpu": TreeSettings(total_tokens=4, depth=2, top_k=2),
+}
+
+
+def cpu_class() -> str:
+    """The key of DEFAULT_TREES for this machine: a CUDA GPU, or the CPU's kernel build (AVX-512, AVX2), else cpu."""
+    if torch.cuda.is_available():
+        return "gpu"
+    build = bf16gemm.isa()
+    return build.name if build is not None else "cpu"
 
 
 @dataclass
@@ -111,22 +133,35 @@ class TreeChoice:
     measured_tokens_per_s: float | None = None  # real decoding with `settings` (check_by_decoding)
     measured_vanilla_tokens_per_s: float | None = None  # real plain decoding of the same prompts
     cached: bool = False
+    source: str = "calibrated"  # or "default": DEFAULT_TREES' setting for this CPU class, nothing measured
+    load: str = ""  # what the other processes did while it was measured (eaglespec.cpuload)
+
+    @classmethod
+    def default(cls, settings: TreeSettings) -> "TreeChoice":
+        """An uncalibrated choice: `settings` as they are, drafting (the adaptive policy then measures)."""
+        return cls(settings, 0.0, 0.0, {}, {}, [], 0, source="default")
 
     @property
     def vanilla_tokens_per_s(self) -> float:
-        """Plain decoding's expected speed: one token per single-token forward."""
-        return 1000.0 / self.verify_ms[1]
+        """Plain decoding's expected speed: one token per single-token forward (0 where nothing was measured)."""
+        return 1000.0 / self.verify_ms[1] if 1 in self.verify_ms else 0.0
 
     @property
     def speculate(self) -> bool:
         """Whether the best tree beats plain decoding on this machine: measured by decoding when that was done,
         else expected from the cost model."""
+        if self.source == "default":
+            return True
         if self.measured_tokens_per_s is not None and self.measured_vanilla_tokens_per_s is not None:
             return self.measured_tokens_per_s > self.measured_vanilla_tokens_per_s
         return self.expected_tokens_per_s > self.vanilla_tokens_per_s
 
     def summary(self) -> str:
         s = self.settings
+        if self.source == "default":
+            return (f"tree auto: total_tokens={s.total_tokens} depth={s.depth} top_k={s.top_k} (the default for "
+                    f"{cpu_class()} machines, not yet calibrated on this one; `--tree calibrate` measures it once, "
+                    "a minute or two)")
         text = (f"tree auto: total_tokens={s.total_tokens} depth={s.depth} top_k={s.top_k} "
                 f"(expected tau {self.expected_tau:.2f}, ~{self.expected_tokens_per_s:.1f} tokens/s on this machine, "
                 f"plain decoding ~{self.vanilla_tokens_per_s:.1f}")
@@ -145,6 +180,7 @@ class TreeChoice:
     def from_json(cls, d: dict) -> "TreeChoice":
         d = dict(d)
         d["settings"] = TreeSettings(**d["settings"])
+        d["source"] = "calibrated"
         d["verify_ms"] = {int(k): v for k, v in d["verify_ms"].items()}
         d["cached"] = True
         return cls(**d)
@@ -341,20 +377,27 @@ def cache_path(engine, mode: str) -> Path:
     return cache_root() / "trees" / f"{_digest(mode + '|' + _fingerprint(engine.head) + '|' + _target_key(engine.target))}.json"
 
 
-def cached_verify_costs(target: TargetModel, use_cache: bool = True, text: list[int] | None = None
-                        ) -> dict[int, float]:
-    """`verify_costs` (over `text`), measured once per target and machine (shared by every head of that target)."""
+def _verify_cache_path(target: TargetModel) -> Path:
     from .models import cache_root
 
     path = cache_root() / "trees" / f"verify-{_digest(_target_key(target))}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cached_verify_costs(target: TargetModel, use_cache: bool = True, text: list[int] | None = None,
+                        store: bool = True) -> dict[int, float]:
+    """`verify_costs` (over `text`), measured once per target and machine (shared by every head of that target).
+    `store`: cache a new measurement (the calibration stores it itself, only when undisturbed)."""
+    path = _verify_cache_path(target)
     if use_cache and path.is_file():
         try:
             return {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
         except (json.JSONDecodeError, AttributeError, ValueError):
             path.unlink(missing_ok=True)
     costs = verify_costs(target, text=text)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(costs) + "\n")
+    if store:
+        path.write_text(json.dumps(costs) + "\n")
     return costs
 
 
@@ -380,34 +423,51 @@ def check_by_decoding(engine, settings: TreeSettings, prompts=CALIBRATION_PROMPT
 
 
 def auto_tree(engine, prompts=CALIBRATION_PROMPTS, new_tokens: int = 80, stride: int = 2,
-              use_cache: bool = True, progress: bool = True) -> TreeChoice:
-    """Calibrate (or read the cached calibration) and set the engine's drafter to the best tree."""
+              use_cache: bool = True, progress: bool = True, calibrate: bool = False) -> TreeChoice:
+    """Set the engine's drafter to the best tree for this machine and return the choice: the cached calibration
+    where there is one; else, with `calibrate`, calibrate now (cached only where no other process used the CPU
+    meanwhile: such timings would mislead every later run); else DEFAULT_TREES' setting for the CPU class, with
+    nothing measured (a first run starts at once)."""
     drafter = engine.drafter
     if not isinstance(drafter, EagleDrafter) or drafter.mode == "static":
         raise ValueError("tree auto applies to EAGLE-2 (dynamic) and chain drafting")
     path = cache_path(engine, drafter.mode)
-    if use_cache and path.is_file():
+    if use_cache and path.is_file() and not calibrate:
         try:
             choice = TreeChoice.from_json(json.loads(path.read_text()))
             drafter.settings = choice.settings
             return choice
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             path.unlink(missing_ok=True)  # unreadable: calibrate again
+    if not calibrate:
+        settings = DEFAULT_TREES[cpu_class()]
+        if drafter.mode == "chain":
+            settings = TreeSettings(total_tokens=settings.depth + 1, depth=settings.depth, top_k=1)
+        drafter.settings = settings
+        return TreeChoice.default(settings)
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
-    say("tree auto: calibrating the draft tree for this machine (once; cached in "
-        f"{path.parent}) ...")
+    say(f"tree auto: calibrating the draft tree for this machine (cached in {path.parent}) ...")
     t0 = time.perf_counter()
-    sequences = _greedy_sequences(engine, prompts, new_tokens, progress)
-    verify_ms = cached_verify_costs(engine.target, use_cache, text=[t for seq, _ in sequences for t in seq])
-    pairs = [(d, 1) for d in DEPTHS] if drafter.mode == "chain" else [(d, k) for d in DEPTHS for k in TOP_KS]
-    rounds, draft_ms = record_candidates(drafter, engine.target, sequences, stride=stride, time_settings=pairs,
-                                         progress=progress)
-    choice = choose(rounds, verify_ms, draft_ms, mode=drafter.mode)
-    say("tree auto: checking the choice by decoding ...")
-    choice.measured_tokens_per_s, choice.measured_vanilla_tokens_per_s = check_by_decoding(
-        engine, choice.settings, prompts=list(prompts)[:2])
+    with LoadMonitor() as monitor:
+        sequences = _greedy_sequences(engine, prompts, new_tokens, progress)
+        verify_ms = cached_verify_costs(engine.target, use_cache=False, text=[t for seq, _ in sequences for t in seq],
+                                        store=False)
+        pairs = [(d, 1) for d in DEPTHS] if drafter.mode == "chain" else [(d, k) for d in DEPTHS for k in TOP_KS]
+        rounds, draft_ms = record_candidates(drafter, engine.target, sequences, stride=stride, time_settings=pairs,
+                                             progress=progress)
+        choice = choose(rounds, verify_ms, draft_ms, mode=drafter.mode)
+        say("tree auto: checking the choice by decoding ...")
+        choice.measured_tokens_per_s, choice.measured_vanilla_tokens_per_s = check_by_decoding(
+            engine, choice.settings, prompts=list(prompts)[:2])
     drafter.settings = choice.settings
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(choice.to_json(), indent=1) + "\n")
+    reading = monitor.reading
+    choice.load = reading.describe()
+    if reading.disturbed:
+        say(f"tree auto: not cached: {reading.describe()} while it measured, so the timings are not this machine's; "
+            "calibrate again when it is quiet")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(choice.to_json(), indent=1) + "\n")
+        _verify_cache_path(engine.target).write_text(json.dumps(verify_ms) + "\n")
     say(f"tree auto: calibrated in {time.perf_counter() - t0:.0f} s on {choice.positions} positions")
     return choice

@@ -45,27 +45,29 @@ def model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model", default=None, help="sps: a smaller model sharing the target's tokenizer")
     g.add_argument("--device", default="auto", help=DEVICE_HELP)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto (default) = bfloat16 on a GPU (float16 before Ampere) or a CPU with native bfloat16 "
-                        "(AVX-512 BF16 / AMX), and with --compile on a CPU with AVX2 (eaglespec's kernels), "
-                        "else float32")
+                   help="auto (default) = bfloat16 on a GPU (float16 before Ampere), a CPU with native bfloat16 "
+                        "(AVX-512 BF16 / AMX) or one where eaglespec's kernels run (AVX2 + FMA), else float32")
     g.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"],
                    help="target forward: fast = our lean Llama/Qwen2 path, hf = transformers (auto: fast if supported)")
     g.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                    help="CPU fast path: int8 / int4 weight-only target (2-4x fewer bytes per step; changes the "
                         "model slightly, like a Q8_0 / Q4_1 GGUF; output stays lossless w.r.t. it). Default none")
-    g.add_argument("--exact", action="store_true",
-                   help="fast path: each verified row attends exactly as a one-token step does, so speculative "
-                        "output is bit-identical to plain decoding in bfloat16 too (eaglespec's attention kernel on "
-                        "CPUs with AVX-512 BF16 or AVX2, else one attention call per tree token; --compile on such a "
-                        "CPU is bit-exact without it; float32 and --quantize need it less / always have it)")
+    g.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                   help="every verified row bit-identical to a one-token step, so greedy output equals plain "
+                        "decoding's token for token. Default: on for the fast path on a CPU (free with eaglespec's "
+                        "kernels, AVX-512 BF16 or AVX2 + FMA; row-by-row attention elsewhere), off on a GPU. "
+                        "--no-exact: batched attention (faster without the kernels; greedy output may then differ "
+                        "from plain decoding's where two tokens nearly tie)")
     g.add_argument("--compile", action="store_true",
                    help="fast path: run the target's decode steps through torch.compile (fuses the small operations "
-                        "between matrix products; needs a C++ compiler on a CPU; compiles for tens of seconds at "
-                        "start). Not with --quantize / --exact")
+                        "between matrix products; needs a C++ compiler on a CPU; compiles for minutes the first "
+                        "time, cached on disk after). Not with --quantize")
     g.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's)")
-    g.add_argument("--tree", default="auto", choices=["auto", "fixed"],
-                   help="auto = choose total_tokens / depth / top_k for this machine and head (measured once, "
-                        "cached); fixed = the settings below (giving any of them implies fixed)")
+    g.add_argument("--tree", default="auto", choices=["auto", "calibrate", "fixed"],
+                   help="auto = this machine's calibrated tree (total_tokens / depth / top_k), else a default for its "
+                        "CPU class, drafting only while that measures faster; calibrate = measure for this machine "
+                        "and head now (a minute or two; cached unless other processes disturbed it); fixed = the "
+                        "settings below (giving any of them implies fixed)")
     g.add_argument("--total-tokens", type=positive_int, default=None, help="EAGLE-2: tree nodes verified per step (16)")
     g.add_argument("--depth", type=positive_int, default=None, help="EAGLE-2 / chain: draft levels (5)")
     g.add_argument("--tree-top-k", type=positive_int, default=None, help="EAGLE-2: children per expanded node (4)")
@@ -80,8 +82,8 @@ def tree_from_args(args: argparse.Namespace):
 
     given = {k: getattr(args, a) for k, a in (("total_tokens", "total_tokens"), ("depth", "depth"),
                                              ("top_k", "tree_top_k")) if getattr(args, a, None) is not None}
-    if args.tree == "auto" and not given:
-        return "auto"
+    if args.tree in ("auto", "calibrate") and not given:
+        return args.tree
     return TreeSettings(**given)
 
 
@@ -114,7 +116,7 @@ def check_options(args: argparse.Namespace) -> None:
         args.device = parse_device(args.device)
     if getattr(args, "draft_vocab", None) is not None and args.draft_vocab < 0:
         raise EagleSpecError(f"--draft-vocab must be 0 (full vocabulary) or a positive size, got {args.draft_vocab}")
-    if getattr(args, "compile", False) and (getattr(args, "quantize", "none") != "none" or getattr(args, "exact", False)):
+    if getattr(args, "compile", False) and getattr(args, "quantize", "none") != "none":
         from .compiled import CONFLICT
 
         raise EagleSpecError(CONFLICT)

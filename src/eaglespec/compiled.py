@@ -63,8 +63,8 @@ RECOMPILE_LIMIT = 64  # graphs of DecodeStack.forward per process: three per com
 GRAPH_KINDS = ("one", "small", "large")
 SERIAL_LOOP_ELEMENTS = 16384  # per thread, before inductor splits a fused loop over threads (compile_settings)
 SMALL_TREE = 4  # decode steps of 2..SMALL_TREE tokens get their own graph (see graph_kind)
-CONFLICT = ("--compile applies to the model's own weights with batched attention: drop --quantize / --exact, "
-            "or --compile")
+CONFLICT = ("--compile needs the model's own weights (not --quantize), and to stay exact eaglespec's kernels (bfloat16 "
+            "on a CPU with AVX-512 BF16 or AVX2 + FMA); elsewhere add --no-exact to compile, or drop --compile")
 
 
 def cpu_compiler_available() -> bool:

@@ -72,16 +72,18 @@ class EagleDrafter(Drafter):
     needs_features = True
 
     def __init__(self, head: DraftHead, embed_tokens, lm_head, mode: str = "dynamic",
-                 settings: TreeSettings | None = None, compile: bool = False):
-        """`compile`: the head's decoder-layer steps through torch.compile (eaglespec.compiled; compiles here)."""
+                 settings: TreeSettings | None = None, compile: bool = False, kernels: bool = False):
+        """`compile`: the head's decoder-layer steps through torch.compile (eaglespec.compiled; compiles here).
+        `kernels`: the head's products through eaglespec's bfloat16 kernel where it applies (the target runs on
+        them; eaglespec.bf16gemm)."""
         if mode not in ("dynamic", "static", "chain"):
             raise ValueError(f"unknown draft mode {mode}")
         # The head's own linear layers packed for oneDNN on a CPU (a copy; the caller's head is left as it is); with
-        # `compile`, through eaglespec's bfloat16 kernel where it applies (eaglespec.bf16gemm), and there the draft
+        # `kernels`, through eaglespec's bfloat16 kernel where it applies (eaglespec.bf16gemm), and there the draft
         # vocabulary's LM-head rows through an int8 copy unless EAGLESPEC_DRAFT_INT8=0 (bf16gemm.Int8Linear: 8192
         # rows of SmolLM2's LM head 0.25 -> 0.17 ms a call; the drafts may differ a little, the accepted output cannot).
         weight = next(head.parameters())
-        kernel = compile and bf16gemm.available(weight.dtype, weight.device)
+        kernel = (kernels or compile) and bf16gemm.available(weight.dtype, weight.device)
         self.int8 = kernel and bf16gemm.draft_int8()
         self.head = bf16gemm.with_kernel(head) if kernel else packed.pack_linears(head)
         if self.int8 and isinstance(getattr(self.head, "lm_head", None), bf16gemm.Bf16Linear):  # EAGLE-3's own

@@ -145,28 +145,38 @@ class FastTarget(TargetModel):
 
     def __init__(self, model, feature_kind: str | None = "final", initial_capacity: int = 1024,
                  quantize: str | None = None, pack: bool | None = None, row_invariant: bool | None = None,
-                 attention_dtype: torch.dtype | None = None, compile: bool = False):
+                 attention_dtype: torch.dtype | None = None, compile: bool = False, kernels: bool | None = None):
         """`quantize`: None (the model's own weights), "int8" or "int4" weight-only (see eaglespec.quant).
         `pack`: weights pre-packed for oneDNN (eaglespec.packed); None = wherever available.
         `row_invariant`: decode steps attend row by row (module docstring); None = when quantized.
         `attention_dtype`: of the attention arithmetic and of the KV cache (but see `cache_dtype` below); None =
         float32 for a half-precision target on a CPU, the model's dtype elsewhere.
         `compile`: decode steps run the layers through torch.compile (eaglespec.compiled); call `warm_up()` to
-        compile before timing anything."""
+        compile before timing anything.
+        `kernels`: products, decode-step attention and greedy LM head through eaglespec's CPU kernels (bfloat16
+        weights on a CPU with AVX-512 BF16 or AVX2 + FMA, `bf16gemm.available`), eager or compiled; every row then
+        gets the same bits whatever else is in the step, so verify passes are exact. None = wherever available."""
         super().__init__(model, feature_kind)
         self.quantize = check_mode(quantize, self.device)
         self.compiled = bool(compile)
+        can_kernel = self.quantize is None and bf16gemm.available(self.dtype, self.device)
+        if kernels and not can_kernel:
+            raise EagleSpecError("eaglespec's kernels need bfloat16 weights on a CPU with AVX-512 BF16 or AVX2 + FMA, "
+                                 "a C++ compiler, and no --quantize")
+        # decoder and LM-head products through eaglespec's own kernel (bfloat16 weights, AVX-512 BF16 or AVX2 + FMA)
+        self.bf16_gemm = can_kernel if kernels is None else bool(kernels)
         if self.compiled:
-            if self.quantize or row_invariant:
+            # compiled graphs are row-invariant only with the kernels (they attend through the kernel too); the eager
+            # row-by-row attention of quantized / row_invariant targets has no compiled form
+            if self.quantize or (row_invariant and not self.bf16_gemm):
                 raise EagleSpecError(compiled.CONFLICT)
             compiled.check_available(self.device)
-        # --compile on a CPU with AVX-512 BF16 or AVX2: decoder and LM-head products through eaglespec's own kernel
-        self.bf16_gemm = self.compiled and bf16gemm.available(self.dtype, self.device)
         can_pack = self.quantize is None and packed.available(self.dtype, self.device)
         if pack and not can_pack:
             raise EagleSpecError("pack=True needs float32 weights (or bfloat16 on a CPU with native bfloat16) on a CPU "
                                  "with oneDNN, and no --quantize")
         self.pack = can_pack if pack is None else bool(pack)
+        # (the kernels' steps are row-invariant by construction, whatever this says)
         self.row_invariant = self.quantize is not None if row_invariant is None else bool(row_invariant)
         # Half-precision targets on a CPU keep the KV cache and attend in float32: torch's CPU attention on bfloat16
         # costs 100-270 us per one-query call over 200-600 keys against 13-33 us in float32 (2 cores), which made
@@ -180,11 +190,14 @@ class FastTarget(TargetModel):
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.n_heads
         self.eps = float(c.rms_norm_eps)
         # eaglespec's row-invariant decode-step attention (`write_and_attend_tree`) where it builds (the extension of
-        # eaglespec.bf16gemm): the compiled graphs' attention with --compile, and row-invariant steps (--exact,
-        # quantized targets) instead of one attention call per row
+        # eaglespec.bf16gemm): every decode step's attention beside the kernels' products (eager or compiled), and
+        # row-invariant steps (float32 --exact, quantized targets) instead of one attention call per row
         self.attention_kernel = (self.attention_dtype == torch.float32 and self.head_dim % 16 == 0
                                  and self.head_dim <= 256 and bf16gemm.available(torch.bfloat16, self.device))
         self.tree_kernel = self.attention_kernel and self.bf16_gemm
+        if row_invariant is None and self.bf16_gemm and not self.attention_kernel:
+            self.row_invariant = True  # the kernel's products beside torch's attention (a head size it lacks): attend
+            # row by row, or a verify pass's batched attention would round rows differently from one-token steps
         # A bfloat16 target's keys and values are bfloat16 values (rounded as the model computes them, in the
         # compiled graphs too). Where every decode step attends through the kernel, which widens them itself, the
         # cache keeps them in bfloat16: the same numbers in half the bytes, to read and to keep in the CPU's caches
@@ -398,7 +411,10 @@ class FastTarget(TargetModel):
             else tree_mask.to(self.device)  # [n, n]: the step rows each row sees (the cached ones it sees all)
         # Row-invariant steps: for each query row, the end of the cache slice it sees, or its path of step rows.
         rows = None
-        exact_kernel = self.row_invariant and self.attention_kernel and tree_mask is not None
+        # decode steps (c > 0) attend through the kernel beside its products, and row-invariant tree steps where it
+        # builds; prompt prefills (c == 0) keep one batched call (nothing is compared with them)
+        exact_kernel = (self.row_invariant and self.attention_kernel and tree_mask is not None) or (
+            self.tree_kernel and c > 0)
         if exact_kernel and not self.keys_transposed:  # row_invariant was set after construction
             bf16gemm.load()
             self.layer_keys = [keys.transpose(1, 2).contiguous() for keys in self.layer_keys]  # the kernel's layout
@@ -407,7 +423,7 @@ class FastTarget(TargetModel):
             rows = [c + 1] if n == 1 else self._visible_rows(step_rows, c)
         compiled_step = self.stack is not None and rows is None and c > 0  # decode steps; prompt prefills stay eager
         mask = None  # [1, 1, n, c + n]: the whole mask, where attention takes one (a one-token step sees every row)
-        if n > 1 and not exact_kernel and not (compiled_step and self.tree_kernel):
+        if n > 1 and not exact_kernel:
             allowed = torch.ones(n, c + n, dtype=torch.bool, device=self.device)
             allowed[:, c:] = step_rows
             mask = allowed[None, None]
@@ -454,27 +470,31 @@ class FastTarget(TargetModel):
 
 
 def make_target(model, feature_kind: str | None = "final", backend: str = "auto",
-                quantize: str | None = None, exact: bool = False, compile: bool = False) -> TargetModel:
+                quantize: str | None = None, exact: bool | None = None, compile: bool = False) -> TargetModel:
     """`backend`: "auto" (fast path when the architecture is supported), "fast" (required) or "hf".
-    `quantize` ("int8" / "int4" weight-only, CPU) needs the fast path. `exact`: decode steps attend row by row, so
-    a verified row is bit-identical to a one-token step in any dtype (fast path only; quantized targets always are).
+    `quantize` ("int8" / "int4" weight-only, CPU) needs the fast path.
+    `exact`: every verified row bit-identical to the one-token step that would compute it, so greedy speculative
+    output equals plain decoding's (fast path only). On a CPU the fast path is exact through eaglespec's kernels
+    where they run (bfloat16 on AVX-512 BF16 or AVX2 + FMA: no cost) and otherwise attends row by row (slower); None
+    (the default) = exact wherever the fast path runs on a CPU; False = batched attention, as on a GPU.
     `compile`: decode steps through torch.compile (fast path only; compiles here, tens of seconds)."""
     if backend not in ("auto", "fast", "hf"):
         raise EagleSpecError(f"unknown backend '{backend}'; use auto, fast or hf")
     quantize = check_mode(quantize)
-    options = [f"--quantize {quantize}"] * bool(quantize) + ["--exact"] * exact + ["--compile"] * compile
-    if options:
-        if backend == "hf" or not supports(model):
-            verb = "needs" if len(options) == 1 else "need"
-            raise EagleSpecError(f"{' and '.join(options)} {verb} the fast path (Llama / Qwen2 models, --backend "
-                                 f"auto or fast); this is '{model.config.model_type}' with backend {backend}")
-        target = FastTarget(model, feature_kind, quantize=quantize, row_invariant=True if exact else None,
-                            compile=compile)
-        target.warm_up()  # compiles now (with --compile), not inside a timed step
-        return target
-    if backend == "hf" or (backend == "auto" and not supports(model)):
+    options = [f"--quantize {quantize}"] * bool(quantize) + ["--exact"] * bool(exact) + ["--compile"] * compile
+    fast = backend == "fast" or (backend == "auto" and supports(model))
+    if options and (backend == "hf" or not supports(model)):
+        verb = "needs" if len(options) == 1 else "need"
+        raise EagleSpecError(f"{' and '.join(options)} {verb} the fast path (Llama / Qwen2 models, --backend "
+                             f"auto or fast); this is '{model.config.model_type}' with backend {backend}")
+    if not fast:
         return TargetModel(model, feature_kind)
     if not supports(model):
         raise EagleSpecError(f"the fast path supports {', '.join(SUPPORTED)} models with default RoPE; "
                              f"this is '{model.config.model_type}': use --backend hf")
-    return FastTarget(model, feature_kind)
+    if exact is None:
+        exact = next(model.parameters()).device.type == "cpu"
+    target = FastTarget(model, feature_kind, quantize=quantize, row_invariant=True if exact else None,
+                        compile=compile)
+    target.warm_up()  # compiles now (with --compile), not inside a timed step
+    return target

@@ -208,26 +208,26 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def auto_dtype(device: str = "cpu", compile: bool = False) -> torch.dtype:
+def auto_dtype(device: str = "cpu") -> torch.dtype:
     """"auto": bfloat16 on a GPU (float16 on one without native bfloat16, before Ampere: a T4, a V100), on a CPU
-    with native bfloat16 arithmetic, and with `compile` on a CPU where eaglespec's bfloat16 kernels run (AVX2 + FMA:
-    they read bfloat16 weights and multiply in float32, and a decode step on a few cores is bound by reading the
-    weights); float32 elsewhere."""
+    with native bfloat16 arithmetic, and on a CPU where eaglespec's bfloat16 kernels run (AVX2 + FMA: they read
+    bfloat16 weights and multiply in float32, and a decode step on a few cores is bound by reading the weights);
+    float32 elsewhere."""
     if str(device).startswith("cuda"):
         return torch.float16 if gpu_lacks_native_bf16() else torch.bfloat16
     if cpu_has_native_bf16():
         return torch.bfloat16
     from . import bf16gemm
 
-    return torch.bfloat16 if compile and bf16gemm.available(torch.bfloat16, device) else torch.float32
+    return torch.bfloat16 if bf16gemm.available(torch.bfloat16, device) else torch.float32
 
 
-def parse_dtype(dtype: str | torch.dtype, device: str = "cpu", compile: bool = False) -> torch.dtype:
-    """A dtype name (or "auto", see `auto_dtype`; `compile`: the target will run with --compile)."""
+def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """A dtype name (or "auto", see `auto_dtype`)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return auto_dtype(device, compile)
+        return auto_dtype(device)
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if dtype not in table:

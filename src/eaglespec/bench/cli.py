@@ -127,7 +127,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     head, head3 = _head_dirs(args)
 
     device = parse_device(args.device)
-    dtype = parse_dtype(args.dtype, device, compile=args.compile)
+    dtype = parse_dtype(args.dtype, device)
     model, tokenizer = load_target(args.model, dtype=dtype, device=device)
     draft = load_target(args.draft_model, dtype=dtype, device=device)[0] if args.draft_model else None
     ctx = MethodContext(model=model, tokenizer=tokenizer, model_name=args.model, tree=tree, head_dir=head,

@@ -217,7 +217,7 @@ class MethodContext:
     backend: str = "auto"  # our loop's target backend (see eaglespec.fastpath)
     draft_vocab: int | None = None  # EAGLE-1 head drafting subset (None = the head's default, 0 = full)
     quantize: str | None = None  # our loop's weight-only target quantization (see eaglespec.quant)
-    exact: bool = False  # our loop's decode steps attend row by row (eaglespec.fastpath.make_target)
+    exact: bool | None = None  # verify rows bit-identical to one-token steps (None: on a CPU; fastpath.make_target)
     compile: bool = False  # our loop's target decode steps through torch.compile (eaglespec.compiled)
     adapt: bool = False  # with tree auto: also time each tree-auto method adaptively ("<method>+adapt")
 
