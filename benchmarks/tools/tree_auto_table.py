@@ -1,0 +1,35 @@
+"""Print what `--tree auto` measured and chose for a model + head, as Markdown (calibrates if not cached).
+
+    python benchmarks/tools/tree_auto_table.py [--head DIR] [--method eagle2|chain] [--dtype float32] [--compile] [--threads 2]
+"""
+
+import argparse
+
+from eaglespec import Engine
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", default="smollm2-135m")
+parser.add_argument("--head", default="auto")
+parser.add_argument("--method", default="eagle2")
+parser.add_argument("--dtype", default="auto")
+parser.add_argument("--compile", action="store_true")
+parser.add_argument("--threads", type=int, default=None)
+args = parser.parse_args()
+if args.threads:
+    import torch
+
+    torch.set_num_threads(args.threads)
+
+engine = Engine(model=args.model, head=args.head, method=args.method, dtype=args.dtype, tree="auto",
+                compile=args.compile)
+choice = engine.tree_choice
+print(choice.summary(), f"(cached: {choice.cached}, {choice.positions} calibration positions)\n")
+sizes = sorted(choice.verify_ms)
+print("| tree tokens | " + " | ".join(str(n) for n in sizes) + " |")
+print("|---|" + "---|" * len(sizes))
+print("| verify ms | " + " | ".join(f"{choice.verify_ms[n]:.1f}" for n in sizes) + " |\n")
+print("| total_tokens | depth | top_k | replayed tau | draft ms | verify ms | expected tokens/s |")
+print("|---|---|---|---|---|---|---|")
+for r in choice.ranking:
+    print(f"| {r['total_tokens']} | {r['depth']} | {r['top_k']} | {r['tau']:.2f} | {r['draft_ms']:.1f} | "
+          f"{r['verify_ms']:.1f} | {r['tokens_per_s']:.1f} |")
