@@ -18,10 +18,13 @@ Acceptance depends on the head and the target, not on the machine; costs depend 
 The model leaves out what isolated forwards do not show: the loop's own work per step, and the draft head's weights
 pushing the target's out of the CPU caches between forwards (the reverse, the target's pushing out the head's, is
 in the draft cost). On a 2-core CPU with an int4 target that made it
-expect 1.13x and get 0.96x (benchmarks/RESULTS.md, session 5). So the best setting is then checked by decoding:
+expect 1.13x and get 0.96x (2026-11-22). So the best setting is then checked by decoding:
 the chosen tree and plain decoding generate the same prompts through the real loop, interleaved, and drafting is
-kept only if it measured faster (`TreeChoice.speculate`). The whole choice is cached in `<cache>/trees/`, so the
-calibration (a minute or two on a 2-core CPU) runs once.
+kept only if it measured faster (`TreeChoice.speculate`). This calibration (a minute or two on a 2-core CPU) runs
+when asked for (`--tree calibrate`), and its choice is cached in `<cache>/trees/` only if no other process used the
+CPU meanwhile (eaglespec.cpuload). `--tree auto` reads that cache and, where there is none, starts from
+DEFAULT_TREES' setting for the CPU class without measuring anything; the adaptive policy (eaglespec.adaptive) then
+decides while generating whether drafting pays.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ VERSION = 15  # bump when the calibration changes meaning (3: bfloat16 packed, f
 
 
 # What `--tree auto` uses before this machine is calibrated (`--tree calibrate`), by CPU class: the settings
-# calibrations chose for SmolLM2-135M's shipped heads (benchmarks/RESULTS.md): on AVX-512 BF16 machines (Zen 5,
+# calibrations chose for SmolLM2-135M's shipped heads (benchmarks/README.md): on AVX-512 BF16 machines (Zen 5,
 # Emerald Rapids) 4-6 tokens two levels deep; on AVX2 ones, whose wider verify passes cost more per row, the root's
 # best children only. The adaptive policy (eaglespec.adaptive) then stops drafting while generating where it does
 # not pay.

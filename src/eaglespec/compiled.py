@@ -2,7 +2,7 @@
 
 A one-token step of a small model runs ~1,000 small operations besides its matrix products (norms, RoPE, casts,
 residual adds, cache writes), each paying the dispatcher's and OpenMP's fixed cost: ~20% of a bfloat16 step of
-SmolLM2-135M on 2 cores (benchmarks/RESULTS.md, "where the time goes"). Inductor fuses them into a few C++ loops
+SmolLM2-135M on 2 cores (docs/cpu.md, "--compile"). Inductor fuses them into a few C++ loops
 per layer and, with `freezing`, packs the weights for oneDNN itself and folds the residual adds into the products.
 
 What is compiled is `fastpath.decoder_layer`, the same function the eager path runs, over all layers. Each layer's
@@ -20,9 +20,10 @@ SMALL_TREE (small draft trees) and larger trees. Their matrix products:
   and streams these layer shapes at 17-22 GB/s); for 8 rows and more they lost to oneDNN (kernels tuned for 2
   rows took 38 ms at 8 against 21), so larger trees keep oneDNN's products.
 
-Measured (SmolLM2-135M, bfloat16, 2 cores, `benchmarks/scripts/forward_cost.py --compile`): session 14 (autotuned
-C++ GEMM / oneDNN) a one-token step 13.0 ms, 2-4 tree tokens 14.3-14.5 ms, 8 tokens ~21, 16 tokens 26.6;
-session 15 (the kernel, per-layer caches, C++ wrapper) 11.8, 12.3-12.8 ms up to 6 tokens, 15.3 at 8, 20.4 at 16.
+Measured (SmolLM2-135M, bfloat16, a 2-core AMD EPYC Zen 4, 2026-11-24, `benchmarks/microbench/forward_cost.py
+--compile`): with autotuned C++ GEMM / oneDNN products a one-token step 13.0 ms, 2-4 tree tokens 14.3-14.5 ms, 8
+tokens ~21, 16 tokens 26.6; with the kernel, per-layer caches and the C++ wrapper 11.8, 12.3-12.8 ms up to 6 tokens,
+15.3 at 8, 20.4 at 16.
 
 The graphs are called from C++ (inductor's `cpp_wrapper`) without per-call size assertions, and the KV cache is
 one tensor per layer (FastTarget._grow): dynamo's guards over views of one cache tensor cost ~1 ms a call.
@@ -30,18 +31,19 @@ one tensor per layer (FastTarget._grow): dynamo's guards over views of one cache
 Where the products are that kernel, the graphs also attend through eaglespec's decode-step attention
 (`fastpath.write_and_attend_tree`, csrc/tree_attention.cpp) and round bfloat16 work where eager does
 (`compile_settings`): every row of a verify pass then has the bits of the plain step that would compute it, so
-greedy speculative decoding equals plain decoding in bfloat16 (session 16).
+greedy speculative decoding equals plain decoding in bfloat16, as in eager steps through the same kernels.
 
 The draft head's decoder-layer step is compiled the same way when the target is (`compile_head_step`, two or three
 graphs: one row, several rows); a bfloat16 head's products (step, fusion, draft LM head) then use the kernel too.
-Session 14 (before the kernel): a draft round of the EAGLE-3 head on a 4-token tree went from 3.83 to 3.42 ms a
-step. A head step gets its past keys as contiguous [Hkv, S, hd]: the [1, Hkv, S, hd] views left by a rollback made
+Before the kernel (Zen 4, 2026-11-24): a draft round of the EAGLE-3 head on a 4-token tree went from 3.83 to 3.42 ms
+a step. A head step gets its past keys as contiguous [Hkv, S, hd]: the [1, Hkv, S, hd] views left by a rollback made
 dynamo recompile every round (guards on strides).
 
 Costs: compiling a target takes ~1-4 minutes on 2 cores (three graphs, done by `warm_up`; inductor's on-disk cache
 makes later processes faster; prompt prefills stay eager); it needs a C++ compiler; the layers hold their weights
-twice (the model's and the packed copy; peak RSS +0.5 GB for SmolLM2-135M). Off by default; quantized targets and
-`--exact` (eager row-invariant steps) are not compiled.
+twice (the model's and the packed copy; peak RSS +0.5 GB for SmolLM2-135M). Off by default: the kernels also run in
+eager decode steps, and compiling adds the fusion of what lies between them. Quantized targets are not compiled,
+nor, where the kernels do not run, the row-by-row steps of `--exact` (`CONFLICT`).
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def compile_settings(autotune: bool, eager_roundings: bool = False):
 
     `cpp_wrapper`: the graph's calls (fused loops, attention, the products) are made from C++, not from a Python
     function, and the per-call size/alignment assertions are dropped: a one-token step of a 30-layer model spent
-    ~0.75 ms in that Python (`## Call CompiledFxGraph` self time; ~0.38 ms with both changes, session 15).
+    ~0.75 ms in that Python (`## Call CompiledFxGraph` self time; ~0.38 ms with both changes; 2 cores, 2026-11-24).
 
     `eager_roundings` (inductor's `emulate_precision_casts`): fused bfloat16 work is rounded to bfloat16 wherever
     eager rounds it (after the residual adds, RoPE, ...). Without it inductor kept some intermediates in float32, and
@@ -153,8 +155,8 @@ def compile_settings(autotune: bool, eager_roundings: bool = False):
     `cpp.min_chunk_size` (SERIAL_LOOP_ELEMENTS): a fused loop runs on several threads only with that many elements
     per thread. Inductor's default (512) split the norms, RoPE and SiLU loops of every step whose token count is
     symbolic (the tree graphs) over both threads: an OpenMP parallel region ~5 times a layer for a few thousand
-    elements. A 2-token verify pass of SmolLM2-135M under torch.profiler (session 24): `## Call CompiledFxGraph` self
-    time 2.61 -> 2.35 ms a step (the one-token graph: 1.62-1.67)."""
+    elements. A 2-token verify pass of SmolLM2-135M under torch.profiler (a 2-vCPU AMD EPYC Zen 3, 2026-11-26):
+    `## Call CompiledFxGraph` self time 2.61 -> 2.35 ms a step (the one-token graph: 1.62-1.67)."""
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), torch._inductor.config.patch(
             freezing=True, max_autotune=autotune, max_autotune_gemm_backends="CPP,ATEN" if autotune else "ATEN",
             cpp_wrapper=True, size_asserts=False, alignment_asserts=False, scalar_asserts=False,
@@ -220,7 +222,7 @@ def compile_stack(layers: list, heads: tuple[int, int, int], eps: float, attenti
         # torch.compile option it was not applied, torch 2.13), room for more than 4 targets per process (each adds
         # three graphs to DecodeStack.forward's cache; past the limit it would run eagerly), and, for steps of a
         # few rows on a CPU, inductor's own C++ GEMM kernels where they time faster than oneDNN's (max-autotune;
-        # RESULTS.md, session 14).
+        # from ~8 rows oneDNN wins: 4.7x faster at 8 rows on 2 cores, 2026-11-24).
         settings = partial(compile_settings, autotune=kind in autotune_kinds, eager_roundings=eager_roundings)
         return call_compiled(stack, settings, x, *args, kind, module.owner)
 
