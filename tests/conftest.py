@@ -7,11 +7,13 @@ import os
 import pytest
 import torch
 
+from eaglespec import envs
+
 VOCAB = 96
 
 # Where make_model puts the tiny models: the CPU, or a GPU with EAGLESPEC_TEST_DEVICE=cuda (README, "On a
 # GPU": the device-independent modules then run there; modules that test CPU kernels take make_cpu_model).
-DEVICE = torch.device(os.environ.get("EAGLESPEC_TEST_DEVICE", "cpu"))
+DEVICE = torch.device(envs.test_device())
 
 # Tiny models gain nothing from threads, and several test processes may share few cores.
 torch.set_num_threads(1)

@@ -1,10 +1,14 @@
 """Which build of eaglespec's CPU kernels a CPU gets (eaglespec.bf16gemm.isa) and the dtype `auto` picks with it.
 CPU flags are faked, so these run on any machine."""
 
+import os
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
-from eaglespec import bf16gemm, models, q4
+from eaglespec import bf16gemm, platform, q4
 from eaglespec.errors import EagleSpecError
 
 AVX512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
@@ -15,7 +19,7 @@ AVX2 = {"avx", "avx2", "fma", "f16c"}
 def flags(monkeypatch):
     """Set the CPU flags eaglespec reads (and forget the cached build choice before and after)."""
     def set_flags(value: set[str]) -> None:
-        monkeypatch.setattr(models, "cpu_flags", lambda: set(value))
+        monkeypatch.setattr(platform, "cpu_flags", lambda: set(value))
         bf16gemm.isa.cache_clear()
 
     monkeypatch.delenv(bf16gemm.ISA_ENV, raising=False)
@@ -49,16 +53,38 @@ def test_the_avx2_build_can_be_forced_but_not_a_missing_one(flags, monkeypatch):
         bf16gemm.isa()
 
 
-def test_builds_share_the_schemas_and_packing():
-    """Every build compiles csrc/ops.cpp (the schemas, the weight packing), the ISA-neutral commit and its own
-    version of every operator; both compile the AVX2 4-bit block product (eaglespec.q4), which an AVX-512 CPU runs
-    too, so the AVX-512 build also requires and passes the flags it needs."""
+def included(source: Path) -> set[Path]:
+    """A C++ source and every file it includes with quotes, at any depth."""
+    files: set[Path] = set()
+    todo = [source]
+    while todo:
+        path = todo.pop()
+        if path not in files:
+            files.add(path)
+            todo += [Path(os.path.normpath(path.parent / name))
+                     for name in re.findall(r'^#include "([^"]+)"', path.read_text(), re.MULTILINE)]
+    return files
+
+
+OPERATORS = ["bf16_gemm", "tree_attention", "argmax_rows", "topk_rows", "screened_argmax"]  # with per-ISA kernels
+
+
+def test_each_build_is_one_translation_unit_over_shared_host_code():
+    """Every build compiles one translation unit (its folder's kernels.cpp: torch's headers parsed once), which
+    includes the host code every build shares (csrc/common/: the schemas, the weight packing, checks, dispatch, the
+    ISA-neutral commit) and its own micro-kernels of every operator; `sources` lists exactly the files it includes
+    (their digest keys cached measurements, and the wheel must ship them). Both compile the AVX2 4-bit block product
+    (eaglespec.q4), which an AVX-512 CPU runs too, so the AVX-512 build also requires and passes the flags it needs."""
     avx2 = bf16gemm.ISAS["avx2"]
-    for build in bf16gemm.ISAS.values():
-        names = [source.name for source in build.sources]
-        assert names[0] == "ops.cpp" and "commit_rows.cpp" in names and all(s.is_file() for s in build.sources)
-        assert sorted(names) == sorted(["ops.cpp", "commit_rows.cpp", "bf16_gemm.cpp", "tree_attention.cpp",
-                                        "argmax_rows.cpp", "topk_rows.cpp", "screened_argmax.cpp", "q4_gemm.cpp"])
+    for name, build in bf16gemm.ISAS.items():
+        unit = bf16gemm.CSRC / name / "kernels.cpp"
+        assert build.sources[0] == unit and [s for s in build.sources if s.suffix == ".cpp"] == [unit]
+        assert len(set(build.sources)) == len(build.sources) and set(build.sources) == included(unit)
+        for operator in OPERATORS:
+            assert {bf16gemm.CSRC / "common" / f"{operator}.h", bf16gemm.CSRC / name / f"{operator}.h"} <= set(
+                build.sources), (name, operator)
+        assert {bf16gemm.CSRC / "common" / f"{shared}.h" for shared in ("ops", "commit_rows", "q4_gemm")} <= set(
+            build.sources)
         assert build.has_q4 and bf16gemm.Q4_SOURCE in build.sources
         # the CPU flags and compiler flags the AVX2 source needs (-mavx512f implies -mavx2, not -mf16c)
         assert avx2.cpu_flags <= build.cpu_flags and set(avx2.flags) - {"-mavx2"} <= set(build.flags)
@@ -79,12 +105,11 @@ def test_both_builds_have_the_4bit_product(flags, monkeypatch):
 
 def test_auto_dtype_is_bfloat16_where_the_kernels_run(monkeypatch):
     """On a CPU without native bfloat16, `auto` is bfloat16 where the kernels run (AVX2: they read bfloat16 weights
-    and multiply in float32), float32 otherwise; native bfloat16 CPUs always get bfloat16."""
-    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
-    monkeypatch.setattr(bf16gemm, "available", lambda dtype, device: True)
-    assert models.parse_dtype("auto", "cpu") == torch.bfloat16
-    assert models.parse_dtype("float32", "cpu") == torch.float32  # explicit choices stay
-    monkeypatch.setattr(bf16gemm, "available", lambda dtype, device: False)
-    assert models.parse_dtype("auto", "cpu") == torch.float32
-    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
-    assert models.parse_dtype("auto", "cpu") == torch.bfloat16
+    and multiply in float32), float32 otherwise; native bfloat16 CPUs always get bfloat16. The engine asks the
+    kernels (`bf16gemm.available`) and tells the platform's dtype choice."""
+    monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: False)
+    assert platform.parse_dtype("auto", "cpu", bf16_kernels=True) == torch.bfloat16
+    assert platform.parse_dtype("float32", "cpu", bf16_kernels=True) == torch.float32  # explicit choices stay
+    assert platform.parse_dtype("auto", "cpu", bf16_kernels=False) == torch.float32
+    monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: True)
+    assert platform.parse_dtype("auto", "cpu") == torch.bfloat16

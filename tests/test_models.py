@@ -2,7 +2,7 @@
 
 import pytest
 
-from eaglespec import models
+from eaglespec import models, platform
 from eaglespec.errors import EagleSpecError, MissingPackageError
 
 from tiny_hub import write_tiny_model
@@ -19,16 +19,16 @@ def test_missing_package_gives_the_pip_command(monkeypatch):
 def test_devices_are_checked_before_loading():
     import torch
 
-    assert models.parse_device("cpu") == torch.device("cpu")
-    assert models.parse_device("auto") == torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert platform.parse_device("cpu") == torch.device("cpu")
+    assert platform.parse_device("auto") == torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     for bad, message in [("tpu", "unknown device 'tpu'"), ("mps", "not supported"), ("cuda:9", "CUDA GPU")]:
         with pytest.raises(EagleSpecError, match=message):
-            models.parse_device(bad)
+            platform.parse_device(bad)
     if torch.cuda.is_available():
-        assert models.parse_device("cuda").type == "cuda"
+        assert platform.parse_device("cuda").type == "cuda"
     else:  # a CPU-only torch: the message says how to get a GPU build
         with pytest.raises(EagleSpecError, match="install a CUDA build of torch"):
-            models.parse_device("cuda")
+            platform.parse_device("cuda")
 
 
 def test_unknown_name_lists_known_models():
@@ -59,20 +59,18 @@ def test_folder_without_config_or_single_gguf(tmp_path):
 
 def test_unknown_dtype():
     with pytest.raises(EagleSpecError, match="dtype"):
-        models.parse_dtype("float8")
+        platform.parse_dtype("float8")
 
 
 def test_dtype_auto_follows_the_hardware(monkeypatch):
     import torch
 
-    from eaglespec.models import cpu_has_native_bf16, parse_dtype
+    from eaglespec.platform import cpu_has_native_bf16, parse_dtype
     from eaglespec.train.trainer import auto_mixed_precision
 
     assert parse_dtype("auto", "cuda:0") == torch.bfloat16
-    from eaglespec import bf16gemm
-
-    kernels = bf16gemm.available(torch.bfloat16, "cpu")
-    assert parse_dtype("auto") == (torch.bfloat16 if cpu_has_native_bf16() or kernels else torch.float32)
+    assert parse_dtype("auto") == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    assert parse_dtype("auto", bf16_kernels=True) == torch.bfloat16  # wherever eaglespec's bfloat16 kernels run
     assert parse_dtype("bf16") == torch.bfloat16
     with pytest.raises(EagleSpecError, match="auto, float32"):
         parse_dtype("float8")

@@ -11,7 +11,7 @@ from eaglespec import packed
 from eaglespec.errors import EagleSpecError
 from eaglespec.fastpath import FastTarget, make_target
 from eaglespec.heads import HeadConfig, build_head
-from eaglespec.models import cpu_has_native_bf16
+from eaglespec.platform import cpu_has_native_bf16
 from eaglespec.target import TargetModel
 
 from conftest import VOCAB, make_cpu_model

@@ -20,7 +20,8 @@ from .drafters import HEAD_METHODS, METHODS, Drafter, EagleDrafter, TreeSettings
 from .errors import EagleSpecError
 from .fastpath import make_target
 from .heads import DraftHead, check_head_fits, load_head
-from .models import DEFAULT_MODEL, load_target, parse_device, parse_dtype, shipped_head_dir
+from .models import DEFAULT_MODEL, load_target, shipped_head_dir
+from .platform import parse_device, parse_dtype
 from .quant import check_mode
 from .verify import SamplingParams
 
@@ -73,7 +74,9 @@ class Engine:
         if method == "sps" and not draft_model:
             raise EagleSpecError("method 'sps' needs a smaller draft model sharing the tokenizer: pass --draft-model")
         device = parse_device(device)
-        dtype = parse_dtype(dtype, device)
+        from . import bf16gemm  # (dtype auto: bfloat16 wherever eaglespec's bfloat16 kernels run)
+
+        dtype = parse_dtype(dtype, device, bf16_kernels=bf16gemm.available(torch.bfloat16, device))
         hf_model, tokenizer = load_target(model, dtype=dtype, device=device)
         self.notice = ""
         head_module = None

@@ -43,7 +43,7 @@ import torch
 from . import bf16gemm
 from .cpuload import LoadMonitor
 from .drafters import EagleDrafter, TreeSettings, VanillaDrafter
-from .models import synchronize
+from .platform import synchronize
 from .target import TargetModel
 
 CALIBRATION_PROMPTS = (  # a mix of writing, code, arithmetic and knowledge
@@ -340,7 +340,7 @@ def choose(rounds: list[Candidates], verify_ms: dict[int, float], draft_ms: dict
 # ---- caching and the entry point ----------------------------------------------------------------------------
 def machine_key() -> str:
     """CPU model and instruction set (VMs of one CPU name can expose different ones), GPU, threads, torch."""
-    from .models import cpu_flags, cpu_model
+    from .platform import cpu_flags, cpu_model
 
     cpu = f"{cpu_model()}|{hashlib.sha1(' '.join(sorted(cpu_flags())).encode()).hexdigest()[:8]}"
     if torch.cuda.is_available():
@@ -375,13 +375,13 @@ def _digest(key: str) -> str:
 
 def cache_path(engine, mode: str) -> Path:
     """The cached choice for this head, target and machine."""
-    from .models import cache_root
+    from .platform import cache_root
 
     return cache_root() / "trees" / f"{_digest(mode + '|' + _fingerprint(engine.head) + '|' + _target_key(engine.target))}.json"
 
 
 def _verify_cache_path(target: TargetModel) -> Path:
-    from .models import cache_root
+    from .platform import cache_root
 
     path = cache_root() / "trees" / f"verify-{_digest(_target_key(target))}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -111,7 +111,7 @@ def check_options(args: argparse.Namespace) -> None:
             raise EagleSpecError(f"--max-new-tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, "
                                  f"got {args.max_new_tokens}")
     if getattr(args, "device", None) is not None:
-        from .models import parse_device
+        from .platform import parse_device
 
         args.device = parse_device(args.device)
     if getattr(args, "draft_vocab", None) is not None and args.draft_vocab < 0:

@@ -5,7 +5,7 @@ residual adds, cache writes), each paying the dispatcher's and OpenMP's fixed co
 SmolLM2-135M on 2 cores (docs/cpu.md, "--compile"). Inductor fuses them into a few C++ loops
 per layer and, with `freezing`, packs the weights for oneDNN itself and folds the residual adds into the products.
 
-What is compiled is `fastpath.decoder_layer`, the same function the eager path runs, over all layers. Each layer's
+What is compiled is `layers.decoder_layer`, the same function the eager path runs, over all layers. Each layer's
 cache is passed as its own tensor: given one 4-d cache, the in-place write of a layer's rows became a copy of the
 whole cache per layer (functionalization), ten times slower than eager, and per-layer views of it cost ~1 ms of
 guards a call (below); a custom op hiding the write cost ~90 us of Python per call.
@@ -29,7 +29,7 @@ The graphs are called from C++ (inductor's `cpp_wrapper`) without per-call size 
 one tensor per layer (FastTarget._grow): dynamo's guards over views of one cache tensor cost ~1 ms a call.
 
 Where the products are that kernel, the graphs also attend through eaglespec's decode-step attention
-(`fastpath.write_and_attend_tree`, csrc/tree_attention.cpp) and round bfloat16 work where eager does
+(`layers.write_and_attend_tree`, csrc/tree_attention.cpp) and round bfloat16 work where eager does
 (`compile_settings`): every row of a verify pass then has the bits of the plain step that would compute it, so
 greedy speculative decoding equals plain decoding in bfloat16, as in eager steps through the same kernels.
 
@@ -49,8 +49,6 @@ nor, where the kernels do not run, the row-by-row steps of `--exact` (`CONFLICT`
 from __future__ import annotations
 
 import itertools
-import os
-import shutil
 import time
 from contextlib import contextmanager
 from functools import partial
@@ -59,6 +57,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import EagleSpecError
+from .platform import cpu_compiler_available
 
 
 RECOMPILE_LIMIT = 64  # graphs of DecodeStack.forward per process: three per compiled target
@@ -67,11 +66,6 @@ SERIAL_LOOP_ELEMENTS = 16384  # per thread, before inductor splits a fused loop 
 SMALL_TREE = 4  # decode steps of 2..SMALL_TREE tokens get their own graph (see graph_kind)
 CONFLICT = ("--compile needs the model's own weights (not --quantize), and to stay exact eaglespec's kernels (bfloat16 "
             "on a CPU with AVX-512 BF16 or AVX2 + FMA); elsewhere add --no-exact to compile, or drop --compile")
-
-
-def cpu_compiler_available() -> bool:
-    """True where torch.compile's CPU backend finds a C++ compiler."""
-    return any(c and shutil.which(c) for c in (os.environ.get("CXX"), "g++", "c++", "clang++"))
 
 
 def check_available(device: torch.device) -> None:
@@ -110,7 +104,7 @@ class DecodeStack(nn.Module):
         self.layers = nn.ModuleList(_LayerModule(layer) for layer in layers)
         self.heads, self.eps, self.attention_dtype = heads, eps, attention_dtype
         self.feature_layers = tuple(feature_layers)
-        self.tree_kernel = tree_kernel  # attention through eaglespec's kernel (fastpath.write_and_attend_tree)
+        self.tree_kernel = tree_kernel  # attention through eaglespec's kernel (layers.write_and_attend_tree)
         self.owner = new_owner()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor], c: int,
@@ -120,7 +114,7 @@ class DecodeStack(nn.Module):
         one token. `kind` (`graph_kind`)
         and `owner` (this module's `owner`) only key the graph: dynamo guards on them, so each kind of step of each
         target gets its own compiled graph (`compile_stack` drops the guards on the module itself)."""
-        from .fastpath import decoder_layer, write_and_attend, write_and_attend_tree
+        from .layers import decoder_layer, write_and_attend, write_and_attend_tree
 
         if kind not in GRAPH_KINDS or owner != self.owner:  # (read here so that dynamo guards on them)
             raise ValueError(f"graph kind {kind} of {owner} called on {self.owner}")

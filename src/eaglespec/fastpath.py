@@ -12,27 +12,23 @@ Float32 weights (and bfloat16 ones on a CPU with native bfloat16 arithmetic) are
 much, which is what makes verifying a draft tree cheap.
 
 Row-invariant decode steps. Speculative decoding is lossless only if a token's logits in a multi-token verify pass
-equal those of a one-token step. The packed float32 layers and the int8 / int4 weight-only kernels
-(`eaglespec.quant`) give each row the same bits whatever the number of rows; torch's CPU attention kernel does not.
-With a quantized target, re-rounding activations to bfloat16 before every product amplifies its last-bit
-differences to ~0.2 of a logit, so there every decode step (a forward with a tree mask: plain decoding's one-token
-steps and every verify pass) attends row by row: each query row gets one attention call over exactly the keys it
-may see, in sequence order: the cached prefix followed by its path of tree tokens (copied into the cache rows right
-after the prefix when the path is not already there). That is the same call plain decoding makes for that token,
-so a verified row is bit-identical to it. Where eaglespec's decode-step attention kernel builds (a CPU with AVX-512
-BF16 or AVX2, `write_and_attend_tree`), one kernel call per layer does the same for every row at once: each row's pass
-over its visible keys has that same order and arithmetic. With `compile`, the compiled decode steps attend through
-it too (eaglespec.compiled). The prompt prefill is the same call in both and stays batched. Float32 targets keep
-one batched attention call by default: their verified logits differ from a one-token step's by float32 rounding
-only (~4e-5 of a logit on SmolLM2-135M), and the row-by-row calls would cost 25-80 ms more per step on 8-24 tree
-tokens (2 cores, benchmarks/RESULTS.md). `row_invariant=True` makes float32 decode steps bit-exact too
-(tests/test_packed.py); it also splits packed products too wide to be row-invariant into input chunks
-(`packed.pack_row_invariant`).
+equal those of a one-token step. By default on a CPU every decode step is row-invariant:
+- bfloat16 weights on a CPU with AVX-512 BF16 or AVX2 + FMA (`kernels`): the products, the decode-step attention
+  (`layers.write_and_attend_tree`: each query row attends over the cached prefix and then its own path of tree rows,
+  in sequence order) and the greedy LM head are eaglespec's C++ kernels (eaglespec.bf16gemm), each of which gives
+  a row the same bits whatever else is in the call; the remaining operations of a step (norms, RoPE, SiLU, residual
+  adds) work on each row alone. This is also the fastest path those CPUs have, eager or compiled.
+- elsewhere (float32, or no C++ compiler): `make_target` sets `row_invariant`: packed products too wide to be
+  row-invariant are split into input chunks (`packed.pack_row_invariant`) and each query row gets its own attention
+  call over exactly the keys it may see, laid out as the one-token step that computes it sees them. Quantized
+  targets (`eaglespec.quant`) always attend this way. `exact=False` (`--no-exact`) keeps one batched attention
+  call instead: faster there, but a verified row can then differ from a one-token step in its last bits (~4e-5 of a
+  logit on SmolLM2-135M in float32), which a near-tie can turn into another token.
+The prompt prefill is one batched call in every mode (nothing is compared with it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -40,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .errors import EagleSpecError
 from . import bf16gemm, compiled, packed, q4
+from .errors import EagleSpecError
+from .layers import Linear, decoder_layer, rms_norm, write_and_attend, write_and_attend_tree
 from .quant import check_mode, quantize
 from .target import TargetModel, TargetOutput
 
@@ -61,73 +58,6 @@ def supports(model) -> bool:
         and "sliding_attention" not in layer_types
         and getattr(model.get_decoder(), "layers", None) is not None
     )
-
-
-Linear = Callable[[Tensor], Tensor]  # x [..., K] -> [..., N]
-Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [H, n, hd], k, v [Hkv, n, hd]) -> [H, n, hd]
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm as transformers' Llama computes it. x [n, d] -> [n, d]."""
-    if x.dtype == torch.float32:  # one fused kernel; the same numbers as the three-step form below
-        return F.rms_norm(x, x.shape[-1:], weight, eps)
-    # transformers' form, normalise in float32, round, then scale: x * rsqrt(mean(x^2) + eps) is one fused kernel
-    # with the same bits as the three-step form (~1 ms less per bfloat16 step over 30 layers).
-    return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
-
-
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE (rotate-half form). x [heads, n, hd]; cos, sin [1, n, hd]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-
-def decoder_layer(layer, x: Tensor, cos: Tensor, sin: Tensor, heads: tuple[int, int, int], eps: float,
-                  attention_dtype: torch.dtype, attend: Attend) -> Tensor:
-    """One Llama decoder layer over this step's n rows: x [n, d] -> [n, d]. `layer` has the fields of `_Layer`
-    (its products may be packed, quantized, plain or `nn.Linear`); heads = (H, Hkv, hd); `attend` writes this
-    step's keys and values to the cache and attends (torch.compile traces this same function, eaglespec.compiled)."""
-    n = x.shape[0]
-    H, Hkv, hd = heads
-    qkv = layer.qkv(rms_norm(x, layer.input_norm, eps))  # [n, (H + 2Hkv) hd]
-    qk, v = qkv.view(n, H + 2 * Hkv, hd).transpose(0, 1).split([H + Hkv, Hkv], dim=0)  # [heads, n, hd]
-    q, k = rotate(qk, cos, sin).to(attention_dtype).split([H, Hkv], dim=0)  # one RoPE call
-    attn = attend(q, k, v.to(attention_dtype))  # [H, n, hd]
-    x = x + layer.o(attn.transpose(0, 1).reshape(n, H * hd).to(x.dtype))
-    gate, up = layer.gate_up(rms_norm(x, layer.post_norm, eps)).chunk(2, dim=-1)  # [n, I] each
-    return x + layer.down(F.silu(gate) * up)
-
-
-def write_and_attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, c: int,
-                     mask: Tensor | None, keys_transposed: bool = False) -> Tensor:
-    """Write this step's keys and values to cache rows c..c+n-1 of one layer, then attend over rows [0, c + n).
-    q [H, n, hd]; k, v [Hkv, n, hd]; keys, values [Hkv, capacity, hd] (one layer's cache, written in place; keys
-    [Hkv, hd, capacity] with `keys_transposed`, the layout of `write_and_attend_tree`); mask [1, 1, n, c + n] bool
-    or None (a one-token step sees every row). Returns [H, n, hd]."""
-    n = q.shape[1]
-    if keys_transposed:
-        keys[:, :, c : c + n] = k.transpose(1, 2)
-        seen_keys = keys[:, :, : c + n].transpose(1, 2).contiguous()  # (attention's result depends on the layout)
-    else:
-        keys[:, c : c + n] = k
-        seen_keys = keys[:, : c + n]
-    values[:, c : c + n] = v
-    seen_keys, seen_values = seen_keys.to(q.dtype), values[:, : c + n].to(q.dtype)  # (a bfloat16 cache widened)
-    return F.scaled_dot_product_attention(q[None], seen_keys[None], seen_values[None], attn_mask=mask,
-                                          enable_gqa=q.shape[0] != k.shape[0])[0]
-
-
-def write_and_attend_tree(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, c: int,
-                          step_mask: Tensor | None) -> Tensor:
-    """`write_and_attend` through eaglespec's decode-step attention (csrc/tree_attention.cpp, float32, AVX-512 or AVX2):
-    each query row attends over the cached prefix and then its own path of step rows, in sequence order, so a
-    verified tree row gets the bits of the one-token step that would compute it. keys: [Hkv, hd, capacity], the
-    cache's keys transposed (the kernel scores 16 keys as one vector); values [Hkv, capacity, hd]. step_mask [n, n]
-    bool (row r sees step row s: its ancestors and itself) or None (causal; a one-token step). Returns [H, n, hd]."""
-    n = q.shape[1]
-    keys[:, :, c : c + n] = k.transpose(1, 2)
-    values[:, c : c + n] = v
-    return torch.ops.eaglespec.tree_attention(q, keys[:, :, : c + n], values[:, : c + n], step_mask)
 
 
 @dataclass
@@ -337,6 +267,16 @@ class FastTarget(TargetModel):
                     cache[:, c + start : c + m] = cache[:, rows]  # gather first (a copy), then write
             self.cache_len += m
         self._pending = 0
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first `length` committed rows (a draft model dropping the drafted tokens the target
+        rejected). Nothing is cleared: attention reads rows [0, cache_len + n) only, and the next forward writes
+        its rows from `length` on."""
+        if self._pending:
+            raise RuntimeError("commit() the previous forward before truncating the cache")
+        if not 0 <= length <= self.cache_len:
+            raise ValueError(f"cannot truncate a cache of {self.cache_len} committed rows to {length}")
+        self.cache_len = length
 
     # ---- forward -------------------------------------------------------------------------------------
     @staticmethod

@@ -7,7 +7,6 @@ proposed as a chain. It pays off when the answer repeats the prompt (code edits,
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from .drafters import Drafter, TreeSettings

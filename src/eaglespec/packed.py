@@ -5,7 +5,7 @@ bfloat16 ones on CPUs that compute in bfloat16 natively (AVX-512 BF16 or AMX).
 row. For a small model that is bound by reading its weights, this makes a 2-row product cost about twice a 1-row
 one (SmolLM2-135M, 2 cores: 82 ms of matrix products for 2 rows against 42 ms for 1). oneDNN's linear with a weight
 reordered once into its blocked layout reads the weights once per call, so 1-8 rows cost about the same (31-42 ms
-there), which is what makes verifying a draft tree cheap on a CPU (benchmarks/RESULTS.md, "where the time goes").
+there), which is what makes verifying a draft tree cheap on a CPU (docs/cpu.md).
 
 It also gives each row the same bits whatever the number of rows in the call (checked in tests/test_packed.py;
 not for every shape: on an AVX-512 CPU with torch 2.13 one with 1536 input channels is not, hence `pack_row_invariant`),
@@ -35,7 +35,7 @@ def available(dtype: torch.dtype, device: torch.device | str) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
     if dtype == torch.bfloat16:
-        from .models import cpu_has_native_bf16
+        from .platform import cpu_has_native_bf16
 
         return cpu_has_native_bf16() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return dtype == torch.float32

@@ -17,25 +17,24 @@ matrix by layer matrix.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from . import bf16gemm
+from . import bf16gemm, envs
 
 BLOCK = 32  # input channels per block
 COLUMNS = 32  # output columns per packed group (csrc/avx2/q4_gemm.cpp)
-ENV = "EAGLESPEC_Q4"
+ENV = envs.Q4
 
 
 def available() -> bool:
     """True where Q4Linear runs: this CPU loads a build of the kernels with the 4-bit product (both builds have it:
     the AVX-512 one compiles csrc/avx2/q4_gemm.cpp too) and $EAGLESPEC_Q4 is not 0."""
     build = bf16gemm.isa()
-    return build is not None and build.has_q4 and os.environ.get(ENV, "1").strip() != "0"
+    return build is not None and build.has_q4 and envs.q4_enabled()
 
 
 @dataclass(frozen=True)

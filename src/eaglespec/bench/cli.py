@@ -107,7 +107,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .. import bf16gemm
     from ..decode import eos_ids_of
     from ..cli import tree_from_args
-    from ..models import load_target, parse_device, parse_dtype
+    from ..models import load_target
+    from ..platform import parse_device, parse_dtype
     from .datasets import load_questions, select
     from .methods import MethodContext, Sampling, build_methods, parse_methods, parse_sweep, unavailable_reason
     from .report import write_report
@@ -127,7 +128,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     head, head3 = _head_dirs(args)
 
     device = parse_device(args.device)
-    dtype = parse_dtype(args.dtype, device)
+    dtype = parse_dtype(args.dtype, device, bf16_kernels=bf16gemm.available(torch.bfloat16, device))
     model, tokenizer = load_target(args.model, dtype=dtype, device=device)
     draft = load_target(args.draft_model, dtype=dtype, device=device)[0] if args.draft_model else None
     ctx = MethodContext(model=model, tokenizer=tokenizer, model_name=args.model, tree=tree, head_dir=head,

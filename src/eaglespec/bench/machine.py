@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..models import cpu_model
+from ..platform import cpu_model
 
 _PACKAGES = ("eaglespec", "torch", "transformers", "tokenizers", "numpy", "accelerate", "llama_cpp_python")
 

@@ -24,6 +24,8 @@ import torch
 from ..adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
 from ..drafters import TreeSettings
 from ..errors import EagleSpecError, MissingPackageError
+from .base import BenchMethod, LoopMethod, RunOutput, Sampling, cut_after_eos
+from .oracle import OracleMethod
 
 LOOP_METHODS = ("vanilla", "eagle2", "eagle1", "chain", "eagle3", "pld", "sps")
 PEER_METHODS = ("hf", "hf-pld", "hf-assisted", "llamacpp")
@@ -39,86 +41,6 @@ SWEEP_AFFECTS = {
 }
 HF_PLD_TOKENS = 10  # transformers' documented prompt_lookup_num_tokens example value
 LLAMA_CPP_PIP = "pip install llama-cpp-python"
-
-
-@dataclass
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
-
-
-@dataclass
-class RunOutput:
-    """One timed generation."""
-
-    tokens: list[int]  # new tokens, up to and including the first EOS
-    wall_time: float  # seconds, whole call
-    tau: float | None = None  # tokens per target forward (bonus included); None when the method cannot tell
-    target_forwards: int | None = None
-    drafted_forwards: int | None = None  # target forwards of a drafted tree (adaptive variants also run plain ones)
-    drafted_per_depth: list[int] | None = None
-    accepted_per_depth: list[int] | None = None
-    accept_lengths: list[int] | None = None
-    prefill_time: float | None = None
-    draft_time: float | None = None
-    verify_time: float | None = None
-
-
-@dataclass
-class BenchMethod:
-    """A named way to generate. `name` labels rows (e.g. "eagle2" or "eagle2@total_tokens=8" in a sweep);
-    `method` is the base method; `settings` describes its configuration for the run record."""
-
-    name: str
-    method: str
-    kind: str  # "ours" or "peer"
-    settings: dict = field(default_factory=dict)
-    sweep: dict | None = None  # {tree key: value} for sweep variants
-
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling) -> RunOutput:
-        raise NotImplementedError
-
-
-def cut_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
-    for i, tok in enumerate(tokens):
-        if tok in eos:
-            return tokens[: i + 1]
-    return tokens
-
-
-class LoopMethod(BenchMethod):
-    """One of our methods: an `Engine` around the shared model."""
-
-    def __init__(self, name: str, method: str, engine, settings: dict, sweep: dict | None = None, drafter=None,
-                 record_answers: dict | None = None):
-        """`drafter`: this variant's drafter in the engine's loop (default: the engine's own), e.g. the adaptive
-        one over the same EAGLE drafter, so variants share one compiled target. `record_answers`: where greedy
-        answers are kept, keyed by (prompt ids, max_new_tokens) (vanilla's, for the oracle)."""
-        super().__init__(name, method, "ours", settings, sweep)
-        self.engine, self.drafter = engine, drafter or engine.drafter
-        self.record_answers = record_answers
-
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling) -> RunOutput:
-        self.engine.decoder.drafter = self.drafter
-        t0 = time.perf_counter()
-        result = self.engine.generate(list(prompt_ids), max_new_tokens=max_new_tokens,
-                                      temperature=sampling.temperature, top_p=sampling.top_p,
-                                      top_k=sampling.top_k, seed=sampling.seed)
-        wall = time.perf_counter() - t0
-        s = result.stats
-        if self.record_answers is not None and sampling.greedy:
-            self.record_answers[(tuple(prompt_ids), max_new_tokens)] = list(result.tokens)
-        return RunOutput(tokens=list(result.tokens), wall_time=wall, tau=s.tau, target_forwards=s.target_forwards,
-                         drafted_forwards=s.drafted_forwards,
-                         drafted_per_depth=list(s.drafted_per_depth), accepted_per_depth=list(s.accepted_per_depth),
-                         accept_lengths=list(s.accept_lengths), prefill_time=s.prefill_time,
-                         draft_time=s.draft_time, verify_time=s.verify_time)
 
 
 class HFMethod(BenchMethod):
@@ -300,7 +222,7 @@ def peer_model(model):
     without native bfloat16 arithmetic (there transformers computes in emulated half precision, several times slower
     than in float32, which would flatter the comparison; eaglespec's own kernels read bfloat16 there and multiply in
     float32). None passes through."""
-    from ..models import cpu_has_native_bf16
+    from ..platform import cpu_has_native_bf16
 
     if model is None:
         return None
@@ -383,8 +305,6 @@ def build_methods(names: list[str], ctx: MethodContext, sweep: tuple[str, list[i
 def _oracle_methods(vanilla: LoopMethod, ctx: MethodContext, sweep: tuple[str, list[int]] | None,
                     answers: dict) -> list[BenchMethod]:
     """The oracle's variants (one per swept depth), drafting in vanilla's engine: the same compiled target."""
-    from .oracle import OracleMethod
-
     base = TreeSettings() if ctx.tree == "auto" else ctx.tree
     values = sweep[1] if sweep and "oracle" in SWEEP_AFFECTS[sweep[0]] else [None]
     out: list[BenchMethod] = []

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import EagleSpecError
 from .datasets import parse_json_line
-from .methods import RunOutput
+from .base import RunOutput
 
 REQUIRED_FIELDS = {
     "method": str, "variant": str, "kind": str, "question_id": (str, int), "category": str, "turn": int,

@@ -15,7 +15,7 @@ from torch import Tensor
 from ..drafters import Drafter, TreeSettings
 from ..errors import EagleSpecError
 from ..tree import DraftTree, chain
-from .methods import LoopMethod, RunOutput, Sampling
+from .base import LoopMethod, RunOutput, Sampling
 
 Answers = dict[tuple[tuple[int, ...], int], list[int]]  # (prompt ids, max_new_tokens) -> plain greedy answer
 

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from ..errors import EagleSpecError
 from .datasets import Question
 from .machine import PeakMemory, describe_machine
-from .methods import BenchMethod, RunOutput, Sampling
+from .base import BenchMethod, RunOutput, Sampling
 from .metrics import make_row
 
 RESULTS = "results.jsonl"

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import os
 import sys
 from collections.abc import Callable
 
+from .. import envs
 from ..cli import positive_int
 
-API_KEY_ENV = "EAGLESPEC_API_KEY"
+API_KEY_ENV = envs.API_KEY
 
 
 def _positive_float(text: str) -> float:
@@ -72,7 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..cli import build_engine
     from .app import ServerConfig, create_app
 
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    api_key = args.api_key if args.api_key is not None else envs.api_key()
     if not _is_loopback(args.host) and not api_key:
         print(f"warning: serving on {args.host} without an API key: anyone who can reach this port can use it "
               f"(set --api-key or {API_KEY_ENV})", file=sys.stderr)

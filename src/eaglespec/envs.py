@@ -1,0 +1,73 @@
+"""Every environment variable eaglespec reads, parsed and documented in one place.
+
+| variable | default | effect |
+|---|---|---|
+| `EAGLESPEC_CACHE` | `$XDG_CACHE_HOME/eaglespec` or `~/.cache/eaglespec` | where assembled and converted models, tree calibrations and the kernels' loop choice are kept |
+| `EAGLESPEC_API_KEY` | unset | `eaglespec serve`: the key clients must send (`Authorization: Bearer KEY`); `--api-key` wins |
+| `EAGLESPEC_KERNEL_ISA` | `auto` | which build of the C++ kernels to use: `auto` (the best the CPU runs), `avx512`, `avx2` (e.g. to compare the AVX2 build on an AVX-512 CPU) |
+| `EAGLESPEC_BF16_GEMM` | `1` | `0` turns eaglespec's C++ kernels off (bfloat16 products, decode-step attention, greedy head): torch's products and row-by-row attention are used instead |
+| `EAGLESPEC_BF16_KERNEL` | `auto` | the bfloat16 product's multiply loop on AVX-512 BF16: `auto` (measured once per machine), `dpbf16`, `fma` |
+| `EAGLESPEC_DRAFT_INT8` | `1` | `0`: a draft head's LM-head rows in bfloat16 instead of an int8 copy (drafts only; the output cannot change) |
+| `EAGLESPEC_Q4` | `1` | `0`: Q4_1 GGUF weights run through the bfloat16 product instead of the exact 4-bit one |
+| `EAGLESPEC_TEST_DEVICE` | `cpu` | tests only: the device the tests' tiny models live on (`cuda` to run them on a GPU) |
+
+Values are read when asked for (not at import), so a test or a caller can change them between calls.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CACHE = "EAGLESPEC_CACHE"
+API_KEY = "EAGLESPEC_API_KEY"
+KERNEL_ISA = "EAGLESPEC_KERNEL_ISA"
+BF16_GEMM = "EAGLESPEC_BF16_GEMM"
+BF16_KERNEL = "EAGLESPEC_BF16_KERNEL"
+DRAFT_INT8 = "EAGLESPEC_DRAFT_INT8"
+Q4 = "EAGLESPEC_Q4"
+TEST_DEVICE = "EAGLESPEC_TEST_DEVICE"
+
+
+def _flag(name: str) -> bool:
+    """An on/off switch that is on unless set to 0."""
+    return os.environ.get(name, "1").strip() != "0"
+
+
+def _choice(name: str) -> str:
+    """A lower-case choice, "auto" when unset or empty."""
+    return os.environ.get(name, "").strip().lower() or "auto"
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE):
+        return Path(os.path.expanduser(os.environ[CACHE]))
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "eaglespec"
+
+
+def api_key() -> str | None:
+    return os.environ.get(API_KEY) or None
+
+
+def kernel_isa() -> str:
+    return _choice(KERNEL_ISA)
+
+
+def bf16_gemm_enabled() -> bool:
+    return _flag(BF16_GEMM)
+
+
+def bf16_kernel_loop() -> str:
+    return _choice(BF16_KERNEL)
+
+
+def draft_int8() -> bool:
+    return _flag(DRAFT_INT8)
+
+
+def q4_enabled() -> bool:
+    return _flag(Q4)
+
+
+def test_device() -> str:
+    return os.environ.get(TEST_DEVICE, "cpu").strip() or "cpu"
