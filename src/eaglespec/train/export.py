@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from ..errors import EagleSpecError, HeadMismatchError
 from ..heads import DraftHead, HeadConfig, load_head, read_draft_vocab, save_draft_vocab, save_head
-from ..models import parse_dtype
+from ..platform import parse_dtype
 
 
 def official_config(head: DraftHead, dtype: torch.dtype) -> dict:

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import CheckpointError, EagleSpecError
 from ..heads import DraftHead, HeadConfig, build_head, check_head_fits, load_head, save_draft_vocab, save_head
-from ..models import gpu_lacks_native_bf16
+from ..platform import gpu_lacks_native_bf16
 from ..target import TargetModel
 from .data import Example, encode_files, read_conversations
 from .evaluate import draft_accuracy, format_accuracy, log_jsonl
@@ -470,7 +470,7 @@ class Trainer:
             if not (c.eval_every and self.step % c.eval_every == 0):
                 self.evaluate()
             if self.accelerator.is_main_process:
-                from ..models import parse_dtype
+                from ..platform import parse_dtype
 
                 save_head(self.unwrapped(), self.out / "head", dtype=parse_dtype(c.save_dtype))
                 if c.kind == "eagle1":
