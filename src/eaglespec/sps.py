@@ -1,10 +1,21 @@
 """Classic speculative sampling (SpS) with a smaller draft model that shares the target's tokenizer.
 
-The draft model proposes a greedy chain of `depth` tokens; the target verifies it like any other draft tree.
-The draft model keeps its own KV cache of the committed sequence across rounds: its cache never holds
-speculative rows, because each drafted token is run on top of the committed prefix and thrown away again.
-The next round first reads the newly committed tokens (accepted drafts + the target's bonus token) in one
-forward, whose last row also proposes the first draft token, so accepted drafts are simply recomputed.
+The draft model proposes a greedy chain of `depth` tokens; the target verifies it like any other draft tree (for
+sampling too: the verifier's rejection rule treats the greedy chain as a deterministic proposal).
+
+The draft model runs through `fastpath.make_target`, so a Llama / Qwen2 draft gets the same lean forward, static KV
+cache and CPU kernels as the target (greedy steps through the kernels' greedy head, without full logits); other
+architectures fall back to the generic transformers path.
+
+Cache across rounds (fast path, which can `truncate` its cache): every drafted token is run once, as a one-token
+step on top of the draft cache, and its row stays committed there. The next round rolls the cache back to the
+longest prefix the target committed (accepted drafts keep their rows, rejected ones are dropped by shortening the
+cache) and runs only what is missing, ending with the new root, whose row proposes the first draft token: one
+forward per drafted token, `depth` per round.
+
+Generic fallback (a model without `truncate`): the cache holds committed tokens only; each draft step runs the
+drafted tokens so far on top of it and drops their rows again, and the next round recomputes the accepted drafts
+from the common prefix.
 """
 
 from __future__ import annotations
@@ -13,42 +24,65 @@ import torch
 from torch import Tensor
 
 from .drafters import Drafter, TreeSettings
-from .target import TargetModel
+from .fastpath import make_target
 from .tree import DraftTree, chain
 
 _EMPTY = torch.zeros(0, dtype=torch.long)
 
 
 class DraftModelDrafter(Drafter):
-    """Greedy chain drafts from a small causal LM (`draft_hf_model`, a transformers model in eval mode)."""
+    """Greedy chain drafts from a small causal LM (`draft_hf_model`, a transformers model in eval mode, on the
+    target's device and in its dtype)."""
 
     name = "sps"
     needs_features = False
 
     def __init__(self, draft_hf_model, settings: TreeSettings | None = None):
         self.settings = settings or TreeSettings()
-        self.model = TargetModel(draft_hf_model, feature_kind=None)
+        # The fast path where the architecture is supported, on the CPU kernels where they run (its dtype and device
+        # are the model's: the caller loads it like the target). Not `exact`: a draft's bits only change which tokens
+        # are proposed, never the output, and exact float32 steps cost split products (bfloat16 kernel steps are
+        # row-invariant either way).
+        self.model = make_target(draft_hf_model, feature_kind=None, exact=False)
+        # can drop committed rows: drafted tokens then stay in the cache instead of being re-run at every step
+        self.rolls_back = callable(getattr(self.model, "truncate", None))
+        self.forwards = 0  # draft-model forwards so far (each round's cost, for tests and benchmarks)
         self.reset()
 
     @property
     def length(self) -> int:
+        """Drafted tokens per round (the chain below the root)."""
         return min(self.settings.depth, self.settings.total_tokens - 1)
 
     def reset(self) -> None:
         self.model.reset()
-        self.seen: list[int] = []  # tokens whose KV rows are committed in the draft model's cache
+        self.seen: list[int] = []  # tokens whose KV rows are committed in the draft model's cache, in order
 
     def _sync(self, tokens: list[int]) -> int:
-        """Make the cache a prefix of `tokens` minus its last token (so that one is always run, giving logits);
-        return how many leading tokens the cache already covers."""
+        """Cut the cache back to its longest prefix shared with `tokens` minus its last token (so that one is always
+        run, giving the first proposal); return that prefix's length."""
         common = 0
         limit = min(len(self.seen), len(tokens) - 1)
         while common < limit and self.seen[common] == tokens[common]:
             common += 1
-        if common < len(self.seen):  # the committed sequence changed under us (new request): start over
-            self.reset()
-            common = 0
+        if common < len(self.seen):
+            if self.rolls_back:  # rejected drafts (or another sequence): drop their rows, keep the shared prefix
+                self.model.truncate(common)
+                del self.seen[common:]
+            else:  # the generic cache cannot drop committed rows: start over
+                self.reset()
+                common = 0
         return common
+
+    def _next(self, tokens: list[int], keep: bool) -> int:
+        """Run `tokens` on top of the cache and return the greedy token after the last one; `keep`: commit their
+        rows (else drop them)."""
+        out = self.model.forward(torch.tensor(tokens), logits_rows=slice(-1, None), greedy=True)
+        self.model.commit(None if keep else _EMPTY)
+        self.forwards += 1
+        if keep:
+            self.seen.extend(tokens)
+        return out.greedy()[-1]
 
     @torch.inference_mode()
     def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
@@ -59,13 +93,10 @@ class DraftModelDrafter(Drafter):
         if length < 1:
             return DraftTree.root_only(root)
         start = self._sync(ids)
-        out = self.model.forward(torch.tensor(ids[start:]))  # catch up on the committed tokens, root included
-        self.model.commit()
-        self.seen = list(ids)
-        proposal = [int(out.logits[-1].argmax())]
+        proposal = [self._next(ids[start:], keep=True)]  # catch up on the committed tokens, root included
         while len(proposal) < length:
-            # Run every drafted token so far on top of the committed prefix, read the next one, drop the rows.
-            out = self.model.forward(torch.tensor(proposal), logits_rows=slice(-1, None))
-            self.model.commit(_EMPTY)
-            proposal.append(int(out.logits[-1].argmax()))
+            if self.rolls_back:  # one token on top of the cache; its row stays until the target rejects it
+                proposal.append(self._next(proposal[-1:], keep=True))
+            else:  # every drafted token so far on top of the committed prefix, rows dropped again
+                proposal.append(self._next(proposal, keep=False))
         return chain([root] + proposal)
