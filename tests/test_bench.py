@@ -380,7 +380,11 @@ def test_cli_end_to_end_on_the_default_model(tmp_path, capsys):
     info = json.loads((out / RUN_INFO).read_text())
     assert info["settings"]["model"] == "smollm2-135m" and info["settings"]["threads"] == 2
     assert info["settings"]["device"] == "cpu"
-    assert info["settings"]["bf16_kernel"] is None  # (no --compile: the kernel is not used)
+    from eaglespec import bf16gemm
+
+    # the default: eaglespec's bfloat16 kernel wherever it runs (eager; --compile is not needed for it)
+    kernel = bf16gemm.available(torch.bfloat16, "cpu")
+    assert (info["settings"]["bf16_kernel"] is not None) == kernel
     assert main(argv) == 2  # refuses to overwrite without --force
     assert "--force" in capsys.readouterr().err
 
@@ -403,11 +407,11 @@ def test_every_method_counts_tokens_up_to_and_including_eos(tmp_path):
 def test_transformers_peers_run_float32_where_bfloat16_is_emulated(monkeypatch):
     """On a CPU without native bfloat16 a bfloat16 bench (e.g. --compile on AVX2) times transformers on a float32
     copy (its fastest dtype there), leaving our model as it is; with native bfloat16, or in float32, the same model."""
-    from eaglespec import models
+    from eaglespec import platform
     from eaglespec.bench.methods import HFMethod, peer_model
 
     model = make_cpu_model("llama").to(torch.bfloat16)
-    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: False)
     copy = peer_model(model)
     assert copy is not model and next(copy.parameters()).dtype == torch.float32
     assert next(model.parameters()).dtype == torch.bfloat16
@@ -416,7 +420,7 @@ def test_transformers_peers_run_float32_where_bfloat16_is_emulated(monkeypatch):
     assert peer_model(None) is None
     float_model = make_cpu_model("llama")
     assert peer_model(float_model) is float_model
-    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: True)
     assert peer_model(model) is model
 
 
