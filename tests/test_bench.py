@@ -276,13 +276,27 @@ def test_methods_that_cannot_run_say_why():
         build_methods(["eagle1"], ctx)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--tree", "fixed"], "--tree takes auto, calibrate or TOTAL,DEPTH,TOP_K such as 16,5,4"),
+    (["--tree", "16,5"], "--tree takes auto, calibrate or TOTAL,DEPTH,TOP_K"),
+    (["--tree", "calibrate", "--sweep", "depth=1,2"], "--sweep varies a given tree"),
+    (["--methods", "vanilla,oracle", "--tree", "calibrate"], "method 'oracle' drafts the given tree's depth"),
+    (["--compile", "--quantize", "int8"], "not --quantize"),
+])
+def test_cli_tree_and_engine_option_errors(capsys, argv, message):
+    """Checked before the dataset or any model loads: one line, exit code 2."""
+    assert main(["bench", "--dataset", "no-such-set", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_cli_errors_name_the_unknown_method_dataset_or_bad_line(tmp_path, capsys):
     assert main(["bench", "--methods", "vanilla,warp", "--dataset", "mt-bench"]) == 2
     assert "unknown method 'warp'" in capsys.readouterr().err
     assert main(["bench", "--methods", "vanilla", "--dataset", "no-such-set"]) == 2
     assert "unknown dataset 'no-such-set'" in capsys.readouterr().err
-    assert main(["bench", "--methods", "vanilla,eagle2", "--adapt", "--tree", "fixed"]) == 2
-    assert "--adapt applies to --tree auto" in capsys.readouterr().err
+    assert main(["bench", "--methods", "vanilla,eagle2", "--adapt", "--tree", "16,5,4"]) == 2
+    assert "--adapt applies to --tree auto: drop --tree 16,5,4" in capsys.readouterr().err
     bad = tmp_path / "q.jsonl"
     bad.write_text('{"question_id": 1, "category": "a", "turns": ["hi"]}\n{"question_id": 2, "turns": ["x"\n')
     assert main(["bench", "--methods", "vanilla", "--dataset", str(bad)]) == 2

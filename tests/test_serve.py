@@ -555,9 +555,9 @@ def test_cli_serve_default_model_with_env_api_key():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, EAGLESPEC_API_KEY="env-secret")
-    # --tree fixed: no one-time tree calibration inside the start-up deadline (tests/test_autotree.py covers it).
+    # A fixed tree: no one-time tree calibration inside the start-up deadline (tests/test_autotree.py covers it).
     proc = subprocess.Popen([sys.executable, "-m", "eaglespec.cli", "serve", "--port", str(port), "--threads", "1",
-                             "--tree", "fixed", "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--tree", "16,5,4", "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -9,13 +9,23 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import TYPE_CHECKING
 
 from .errors import EagleSpecError
+
+if TYPE_CHECKING:
+    from .drafters import TreeSettings
 
 SUBCOMMAND_MODULES = ("eaglespec.train.cli", "eaglespec.bench.cli", "eaglespec.serve.cli")
 
 
-DEVICE_HELP = "auto (default) = the first CUDA GPU torch sees, else cpu; or cpu, cuda, cuda:N"
+DEVICE_HELP = "auto (default: the first CUDA GPU torch sees, else cpu), cpu, cuda or cuda:N"
+
+# --help lists the everyday options first, then the engine switches, whose defaults suit most machines.
+EVERYDAY = "everyday options"
+ENGINE = "engine options (advanced)"
+ENGINE_DESCRIPTION = "their defaults suit most uses; README.md's 'What the defaults do' explains them"
+TREE_USAGE = "--tree takes auto, calibrate or TOTAL,DEPTH,TOP_K such as 16,5,4"
 
 
 def positive_int(text: str) -> int:
@@ -28,74 +38,160 @@ def positive_int(text: str) -> int:
     return value
 
 
+def option_group(p: argparse.ArgumentParser, title: str,
+                 description: str | None = None) -> argparse._ArgumentGroup:
+    """The parser's argument group with this title, made on first use, so that model_options, sampling_options and
+    a subcommand's own everyday options (generate's --raw) land in one group of --help."""
+    for group in p._action_groups:  # argparse offers no public look-up of a parser's groups
+        if group.title == title:
+            return group
+    return p.add_argument_group(title, description)
+
+
+class _WithinTree(argparse.Action):
+    """--total-tokens, --depth and --tree-top-k, unlisted: one line pointing at --tree, where these numbers go, in
+    place of argparse's "unrecognized arguments" (or, under bench, a complaint about its value)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        parser.exit(2, f"{parser.prog}: error: {option_string} is given within --tree TOTAL,DEPTH,TOP_K, "
+                       f"such as --tree 16,5,4\n")
+
+
 def model_options(p: argparse.ArgumentParser) -> None:
-    """--model, --head, --method, --device, --dtype, --threads and tree settings (shared by generate, chat, bench,
-    serve)."""
+    """The model and drafting options (everyday) and the engine switches (advanced), shared by generate, chat,
+    bench and serve."""
     from .drafters import METHODS
     from .models import DEFAULT_MODEL
 
-    g = p.add_argument_group("model and drafting")
+    g = option_group(p, EVERYDAY)
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"registered name, transformers model folder or .gguf file (default: {DEFAULT_MODEL})")
-    g.add_argument("--head", default="auto",
-                   help="draft head folder (EAGLE / EAGLE-3 layout); 'auto' = the head shipped for --model")
-    g.add_argument("--method", default="eagle2", choices=METHODS,
-                   help="eagle2 = dynamic tree, eagle1 = static tree, chain = top-1, vanilla = no draft, "
-                        "pld = prompt lookup, sps = a smaller draft model (--draft-model)")
-    g.add_argument("--draft-model", default=None, help="sps: a smaller model sharing the target's tokenizer")
-    g.add_argument("--device", default="auto", help=DEVICE_HELP)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto (default) = bfloat16 on a GPU (float16 before Ampere), a CPU with native bfloat16 "
-                        "(AVX-512 BF16 / AMX) or one where eaglespec's kernels run (AVX2 + FMA), else float32")
-    g.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"],
-                   help="target forward: fast = our lean Llama/Qwen2 path, hf = transformers (auto: fast if supported)")
-    g.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
-                   help="CPU fast path: int8 / int4 weight-only target (2-4x fewer bytes per step; changes the "
-                        "model slightly, like a Q8_0 / Q4_1 GGUF; output stays lossless w.r.t. it). Default none")
-    g.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
-                   help="every verified row bit-identical to a one-token step, so greedy output equals plain "
-                        "decoding's token for token. Default: on for the fast path on a CPU (free with eaglespec's "
-                        "kernels, AVX-512 BF16 or AVX2 + FMA; row-by-row attention elsewhere), off on a GPU. "
-                        "--no-exact: batched attention (faster without the kernels; greedy output may then differ "
-                        "from plain decoding's where two tokens nearly tie)")
-    g.add_argument("--compile", action="store_true",
-                   help="fast path: run the target's decode steps through torch.compile (fuses the small operations "
-                        "between matrix products; needs a C++ compiler on a CPU; compiles for minutes the first "
-                        "time, cached on disk after). Not with --quantize")
-    g.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's)")
-    g.add_argument("--tree", default="auto", choices=["auto", "calibrate", "fixed"],
-                   help="auto = this machine's calibrated tree (total_tokens / depth / top_k), else a default for its "
-                        "CPU class, drafting only while that measures faster; calibrate = measure for this machine "
-                        "and head now (a minute or two; cached unless other processes disturbed it); fixed = the "
-                        "settings below (giving any of them implies fixed)")
-    g.add_argument("--total-tokens", type=positive_int, default=None, help="EAGLE-2: tree nodes verified per step (16)")
-    g.add_argument("--depth", type=positive_int, default=None, help="EAGLE-2 / chain: draft levels (5)")
-    g.add_argument("--tree-top-k", type=positive_int, default=None, help="EAGLE-2: children per expanded node (4)")
-    g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="EAGLE-1 head: draft over its N most frequent tokens (default: the head's own setting; "
-                        "0 = the full vocabulary)")
+    g.add_argument("--head", default="auto", metavar="DIR",
+                   help="draft head folder (EAGLE / EAGLE-3 layout); auto (default) = the head shipped for --model")
+    g.add_argument("--method", default="eagle2", choices=METHODS, metavar="METHOD",
+                   help="eagle2 (default, dynamic tree), eagle1 (static tree), chain, vanilla (no draft), "
+                        "pld (prompt lookup), sps (--draft-model)")
+    g.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="with --method sps: a smaller model sharing the target's tokenizer")
+    g.add_argument("--tree", default="auto", metavar="TREE",
+                   help="auto (default: this machine's tree, drafting while it pays), calibrate (measure it now), "
+                        "or a fixed TOTAL,DEPTH,TOP_K such as 16,5,4")
+
+    e = option_group(p, ENGINE, ENGINE_DESCRIPTION)
+    e.add_argument("--device", default="auto", help=DEVICE_HELP)
+    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default) = bfloat16 on a GPU or where eaglespec's CPU kernels run, else float32")
+    e.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="CPU threads for torch (default: torch's)")
+    e.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"],
+                   help="target forward: fast (eaglespec's Llama / Qwen2 path), hf (transformers); "
+                        "auto (default) = fast where supported")
+    e.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                   help="greedy output equal to plain decoding's token for token (default: on for the fast path "
+                        "on a CPU, off on a GPU)")
+    e.add_argument("--compile", action="store_true",
+                   help="target decode steps through torch.compile (minutes the first time, cached after)")
+    e.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+                   help="CPU fast path: int8 / int4 weight-only target (a slightly different model, decoded "
+                        "losslessly); default none")
+    e.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="EAGLE-1 head: draft over its N most frequent tokens (0 = all; default: the head's own)")
+    for option in ("--total-tokens", "--depth", "--tree-top-k"):
+        p.add_argument(option, action=_WithinTree, nargs="?", help=argparse.SUPPRESS)
 
 
-def tree_from_args(args: argparse.Namespace):
-    """'auto' or explicit TreeSettings from --tree / --total-tokens / --depth / --tree-top-k."""
+def parse_tree(text: str) -> str | TreeSettings:
+    """A --tree value: "auto", "calibrate" or TreeSettings from TOTAL,DEPTH,TOP_K (validated there)."""
     from .drafters import TreeSettings
 
-    given = {k: getattr(args, a) for k, a in (("total_tokens", "total_tokens"), ("depth", "depth"),
-                                             ("top_k", "tree_top_k")) if getattr(args, a, None) is not None}
-    if args.tree in ("auto", "calibrate") and not given:
+    value = text.strip().lower()
+    if value in ("auto", "calibrate"):
+        return value
+    parts = [part.strip() for part in value.split(",")]
+    if len(parts) != 3 or not all(part.isdecimal() for part in parts):
+        # the word 'fixed' once meant "the numbers given by separate options"; say how to write those now
+        hint = ": a fixed tree is given by its numbers, the defaults being 16,5,4" if value == "fixed" else ""
+        raise EagleSpecError(f"{TREE_USAGE}, got '{text}'{hint}")
+    total, depth, top_k = (int(part) for part in parts)
+    try:
+        return TreeSettings(total_tokens=total, depth=depth, top_k=top_k)
+    except EagleSpecError as exc:
+        raise EagleSpecError(f"--tree {text}: {exc}") from None
+
+
+def tree_from_args(args: argparse.Namespace) -> str | TreeSettings:
+    """'auto', 'calibrate' or explicit TreeSettings from --tree."""
+    from .drafters import TreeSettings
+
+    if isinstance(args.tree, TreeSettings):  # (a namespace built in code may carry the settings themselves)
         return args.tree
-    return TreeSettings(**given)
+    return parse_tree(args.tree)
 
 
 def sampling_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--system", default=None, help="system message for the chat template")
+    """Length and sampling options, in the everyday group (after model_options' everyday options)."""
+    g = option_group(p, EVERYDAY)
+    g.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
+                   help="tokens to generate at most (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling: keep this much probability (default: 1.0, all)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="sample from the K most likely tokens (default: 0, all)")
+    g.add_argument("--seed", type=int, default=None, metavar="N", help="random seed for sampling")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--system", default=None, metavar="TEXT", help="system message for the chat template")
+
+
+def check_engine_options(args: argparse.Namespace) -> None:
+    """Engine switches that cannot work together (also bench's): one line saying what to drop."""
+    quantize = getattr(args, "quantize", "none")
+    if getattr(args, "compile", False) and quantize != "none":
+        from .compiled import CONFLICT
+
+        raise EagleSpecError(CONFLICT)
+    if getattr(args, "backend", "auto") == "hf":
+        fast_only = ([f"--quantize {quantize}"] * (quantize != "none")
+                     + ["--exact"] * bool(getattr(args, "exact", None))
+                     + ["--compile"] * bool(getattr(args, "compile", False)))
+        if fast_only:
+            listed = " and ".join(fast_only)
+            raise EagleSpecError(f"{listed} {'need' if len(fast_only) > 1 else 'needs'} eaglespec's fast path: "
+                                 f"drop --backend hf or {listed}")
+    if quantize != "none" and getattr(args, "device", None) is not None:
+        from .platform import parse_device
+        from .quant import check_mode
+
+        check_mode(quantize, parse_device(args.device))  # a GPU: says to use --dtype bfloat16 or --device cpu
+
+
+def check_combinations(args: argparse.Namespace) -> None:
+    """Options that cannot work together with --method: one line saying what to drop, before any model loads."""
+    from .drafters import HEAD_METHODS
+
+    check_engine_options(args)
+    method = args.method
+    if args.draft_model and method != "sps":
+        raise EagleSpecError("--draft-model drafts for --method sps: add --method sps or drop --draft-model")
+    if method == "sps" and not args.draft_model:
+        raise EagleSpecError("--method sps needs --draft-model MODEL, a smaller model sharing the target's tokenizer")
+    if method not in HEAD_METHODS:
+        if args.head not in ("auto", None, ""):
+            raise EagleSpecError(f"--method {method} drafts without a head: drop --head")
+        if args.draft_vocab is not None:
+            raise EagleSpecError(f"--draft-vocab sets a draft head's vocabulary; --method {method} has no head: "
+                                 "drop --draft-vocab")
+    tree = tree_from_args(args)
+    if tree == "auto":
+        return
+    if method == "vanilla":
+        raise EagleSpecError(f"--method vanilla drafts nothing: drop --tree {args.tree}")
+    if method == "eagle1" and tree != "calibrate":
+        raise EagleSpecError(f"--method eagle1 drafts the head's static tree: drop --tree {args.tree}")
+    if tree == "calibrate" and method not in ("eagle2", "chain"):
+        raise EagleSpecError(f"--tree calibrate measures eagle2 and chain trees, not --method {method}'s: "
+                             "drop --tree calibrate")
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -116,10 +212,8 @@ def check_options(args: argparse.Namespace) -> None:
         args.device = parse_device(args.device)
     if getattr(args, "draft_vocab", None) is not None and args.draft_vocab < 0:
         raise EagleSpecError(f"--draft-vocab must be 0 (full vocabulary) or a positive size, got {args.draft_vocab}")
-    if getattr(args, "compile", False) and getattr(args, "quantize", "none") != "none":
-        from .compiled import CONFLICT
-
-        raise EagleSpecError(CONFLICT)
+    tree_from_args(args)  # a malformed --tree, whatever the method
+    check_combinations(args)
     if args.head not in ("auto", None, "") and not (Path(args.head) / "config.json").is_file():
         raise EagleSpecError(f"--head '{args.head}' is not a head folder (no config.json there)")
     if getattr(args, "prompt", None) is not None and not args.prompt.strip():
@@ -203,9 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate an answer to one prompt, streamed to the terminal")
     p.add_argument("prompt", help="the prompt (sent through the model's chat template unless --raw)")
-    p.add_argument("--raw", action="store_true", help="continue the prompt as plain text, no chat template")
     model_options(p)
     sampling_options(p)
+    option_group(p, EVERYDAY).add_argument("--raw", action="store_true",
+                                           help="continue the prompt as plain text, no chat template")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat")

@@ -27,15 +27,17 @@ def register(subparsers, model_options, sampling_options) -> None:
     g.add_argument("--methods", default=None,
                    help="comma-separated: vanilla, eagle2, eagle1, chain, eagle3, pld, sps, hf, hf-pld, hf-assisted, "
                         "llamacpp; 'all' (default) = every one that can run here. vanilla is always included. "
-                        "oracle (not in 'all', greedy only): drafts plain decoding's own answer, --depth tokens a "
-                        "step, every one accepted at no draft cost: the ceiling of speculation on this machine")
+                        "oracle (not in 'all', greedy only): drafts plain decoding's own answer, the tree's DEPTH "
+                        "tokens a step, every one accepted at no draft cost: the ceiling of speculation here")
     g.add_argument("--limit", type=int, default=None, help="first N questions (after --categories and --per-category)")
     g.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
     g.add_argument("--categories", type=_csv, default=None, help="comma-separated categories to keep")
     g.add_argument("--turns", type=int, default=None, help="answer only the first N turns of each question")
     g.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and method (median kept)")
     g.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method")
-    g.add_argument("--sweep", default=None, help="tree setting sweep, e.g. total_tokens=8,16,32")
+    g.add_argument("--sweep", default=None,
+                   help="one variant per value of a tree setting, e.g. total_tokens=8,16,32 (also depth, top_k); "
+                        "the others from --tree (16,5,4 with --tree auto)")
     g.add_argument("--adapt", action="store_true",
                    help="with --tree auto, also time each tree-auto method (eagle2, eagle3, chain) switching between "
                         "drafting and plain decoding as generate does (rows '<method>+adapt')")
@@ -67,7 +69,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
-    from ..cli import tree_from_args
+    from ..cli import check_engine_options, tree_from_args
 
     for name in ("limit", "per_category", "turns", "repeats"):
         value = getattr(args, name)
@@ -83,11 +85,22 @@ def _check(args: argparse.Namespace) -> None:
         raise EagleSpecError("give either --methods or --method, not both")
     from .methods import parse_methods
 
-    if "oracle" in parse_methods(args.methods or args.method or DEFAULT_METHODS) and args.temperature > 0:
+    names = parse_methods(args.methods or args.method or DEFAULT_METHODS)
+    if "oracle" in names and args.temperature > 0:
         raise EagleSpecError("method 'oracle' needs greedy decoding: drop --temperature (it drafts plain greedy "
                              "decoding's answer)")
-    if args.adapt and tree_from_args(args) != "auto":
-        raise EagleSpecError("--adapt applies to --tree auto: drop --tree fixed and the explicit tree settings")
+    tree = tree_from_args(args)
+    if args.adapt and tree != "auto":
+        raise EagleSpecError(f"--adapt applies to --tree auto: drop --tree {args.tree}")
+    if tree == "calibrate":
+        # a sweep and the oracle vary or read the numbers of one tree, which calibrate leaves to each method
+        if args.sweep:
+            raise EagleSpecError("--sweep varies a given tree: use --tree TOTAL,DEPTH,TOP_K (or auto, for 16,5,4) "
+                                 "instead of --tree calibrate")
+        if "oracle" in names:
+            raise EagleSpecError("method 'oracle' drafts the given tree's depth: use --tree TOTAL,DEPTH,TOP_K "
+                                 "(or auto, for 16,5,4) instead of --tree calibrate")
+    check_engine_options(args)
 
 
 def _head_dirs(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
@@ -163,8 +176,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   "threads": torch.get_num_threads(),
                   "backend": getattr(args, "backend", "auto"), "quantize": args.quantize, "exact": args.exact,
                   "compile": args.compile, "adapt": args.adapt,
-                  "tree": tree if tree == "auto" else {"total_tokens": tree.total_tokens, "depth": tree.depth,
-                                                       "top_k": tree.top_k},
+                  "tree": tree if isinstance(tree, str) else {"total_tokens": tree.total_tokens,
+                                                              "depth": tree.depth, "top_k": tree.top_k},
                   "draft_vocab": args.draft_vocab,
                   "sweep": args.sweep, "head": str(head) if head else None, "head3": str(head3) if head3 else None,
                   "draft_model": args.draft_model, "categories": args.categories, "limit": args.limit,
