@@ -144,8 +144,8 @@ def test_help_puts_engine_switches_in_an_advanced_group(capsys, command):
 
 
 def test_help_texts_are_short(capsys, monkeypatch):
-    """At 100 columns no option's help takes more than two lines."""
-    monkeypatch.setenv("COLUMNS", "100")
+    """In an 80-column terminal no option's help takes more than two lines."""
+    monkeypatch.setenv("COLUMNS", "80")
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     help_lines: dict[str, int] = {}

@@ -24,7 +24,7 @@ DEVICE_HELP = "auto (default: the first CUDA GPU torch sees, else cpu), cpu, cud
 # --help lists the everyday options first, then the engine switches, whose defaults suit most machines.
 EVERYDAY = "everyday options"
 ENGINE = "engine options (advanced)"
-ENGINE_DESCRIPTION = "their defaults suit most uses; README.md's 'What the defaults do' explains them"
+ENGINE_DESCRIPTION = "their defaults suit most uses (README.md: 'What the defaults do')"
 TREE_USAGE = "--tree takes auto, calibrate or TOTAL,DEPTH,TOP_K such as 16,5,4"
 
 
@@ -70,33 +70,32 @@ def model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--head", default="auto", metavar="DIR",
                    help="draft head folder (EAGLE / EAGLE-3 layout); auto (default) = the head shipped for --model")
     g.add_argument("--method", default="eagle2", choices=METHODS, metavar="METHOD",
-                   help="eagle2 (default, dynamic tree), eagle1 (static tree), chain, vanilla (no draft), "
-                        "pld (prompt lookup), sps (--draft-model)")
+                   help="eagle2 (default), eagle1, chain, vanilla (no draft), pld (prompt lookup), "
+                        "sps (--draft-model)")
     g.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="with --method sps: a smaller model sharing the target's tokenizer")
     g.add_argument("--tree", default="auto", metavar="TREE",
-                   help="auto (default: this machine's tree, drafting while it pays), calibrate (measure it now), "
-                        "or a fixed TOTAL,DEPTH,TOP_K such as 16,5,4")
+                   help="auto (default), calibrate (measure now) or a fixed TOTAL,DEPTH,TOP_K such as 16,5,4")
 
     e = option_group(p, ENGINE, ENGINE_DESCRIPTION)
     e.add_argument("--device", default="auto", help=DEVICE_HELP)
     e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto (default) = bfloat16 on a GPU or where eaglespec's CPU kernels run, else float32")
+                   help="auto (default): bfloat16 on a GPU or where eaglespec's CPU kernels run, else float32")
     e.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help="CPU threads for torch (default: torch's)")
     e.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"],
-                   help="target forward: fast (eaglespec's Llama / Qwen2 path), hf (transformers); "
-                        "auto (default) = fast where supported")
+                   help="fast (eaglespec's Llama / Qwen2 path), hf (transformers); auto (default): fast "
+                        "where supported")
     e.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
-                   help="greedy output equal to plain decoding's token for token (default: on for the fast path "
-                        "on a CPU, off on a GPU)")
+                   help="greedy output equals plain decoding's (default: on for the fast path on a CPU, off "
+                        "on a GPU)")
     e.add_argument("--compile", action="store_true",
-                   help="target decode steps through torch.compile (minutes the first time, cached after)")
+                   help="decode steps through torch.compile (minutes the first time, cached after)")
     e.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
-                   help="CPU fast path: int8 / int4 weight-only target (a slightly different model, decoded "
-                        "losslessly); default none")
+                   help="int8 / int4 weight-only target on a CPU (a slightly different model, decoded "
+                        "losslessly)")
     e.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="EAGLE-1 head: draft over its N most frequent tokens (0 = all; default: the head's own)")
+                   help="EAGLE-1 head: draft over its N most frequent tokens (0: all; default: the head's)")
     for option in ("--total-tokens", "--depth", "--tree-top-k"):
         p.add_argument(option, action=_WithinTree, nargs="?", help=argparse.SUPPRESS)
 
@@ -136,7 +135,7 @@ def sampling_options(p: argparse.ArgumentParser) -> None:
                    help="tokens to generate at most (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                   help="nucleus sampling: keep this much probability (default: 1.0, all)")
+                   help="nucleus sampling: keep this much probability (default: 1.0)")
     g.add_argument("--top-k", type=int, default=0, metavar="K",
                    help="sample from the K most likely tokens (default: 0, all)")
     g.add_argument("--seed", type=int, default=None, metavar="N", help="random seed for sampling")
