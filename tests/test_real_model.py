@@ -29,11 +29,25 @@ def smol():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module")
+def smol_auto():
+    """The model in the dtype `auto` picks here (bfloat16 wherever eaglespec's kernels run): the engine's defaults, fast
+    and exact; the float32 one decodes exactly too, through row-by-row attention, but several times slower."""
+    from eaglespec import bf16gemm
+    from eaglespec.platform import parse_dtype
+
+    torch.set_num_threads(2)
+    dtype = parse_dtype("auto", "cpu", bf16_kernels=bf16gemm.available(torch.bfloat16, "cpu"))
+    model, tokenizer = load_target("smollm2-135m", dtype=dtype)
+    yield model, tokenizer
+    torch.set_num_threads(1)
+
+
 def _head(model, kind: str | None = None):
     """The shipped head (the default one, or of `kind`): real acceptance, so trees are accepted deep."""
     folder = shipped_head_dir("smollm2-135m", kind)
     assert folder is not None, "the shipped heads are part of the package"
-    return load_head(folder)
+    return load_head(folder, dtype=next(model.parameters()).dtype)  # the head drafts in the target's dtype
 
 
 def test_registry_model_loads_with_chat_template(smol):
@@ -46,8 +60,8 @@ def test_registry_model_loads_with_chat_template(smol):
 
 
 @pytest.mark.parametrize("kind, prompts", [("eagle1", PROMPTS), ("eagle3", PROMPTS[::2])])
-def test_speculative_greedy_equals_vanilla_on_chat_prompts(smol, kind, prompts):
-    model, tokenizer = smol
+def test_speculative_greedy_equals_vanilla_on_chat_prompts(smol_auto, kind, prompts):
+    model, tokenizer = smol_auto
     vanilla = Engine.from_model(model, tokenizer, method="vanilla")
     spec = Engine.from_model(model, tokenizer, head=_head(model, kind), method="eagle2",
                              tree=TreeSettings(total_tokens=16, depth=5, top_k=4))

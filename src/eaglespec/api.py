@@ -143,7 +143,7 @@ class Engine:
                 self.decoder.drafter = AdaptiveDrafter(self.drafter, SwitchPolicy(start))
                 self.notice += (f"; adaptive: starts {'drafting' if start == DRAFT else 'without a draft'} and "
                                 "switches to whichever of drafting and plain decoding measures faster while it "
-                                "generates (--tree fixed or explicit tree settings always draft)")
+                                "generates (a fixed --tree TOTAL,DEPTH,TOP_K always drafts)")
 
     def _make_drafter(self, method: str, head: DraftHead | None, tree: TreeSettings | None,
                       head_name: str) -> Drafter:
