@@ -1,5 +1,6 @@
-"""eaglespec's own few-row bfloat16 products (csrc/bf16_gemm.cpp for CPUs with AVX-512 BF16, csrc/avx2/bf16_gemm.cpp
-for CPUs with AVX2 + FMA), used by `--compile`, and the other CPU kernels built with them (`ISAS` below).
+"""eaglespec's own few-row bfloat16 products (csrc/common/bf16_gemm.h, with the micro-kernels of
+csrc/avx512/bf16_gemm.h for CPUs with AVX-512 BF16 and csrc/avx2/bf16_gemm.h for CPUs with AVX2 + FMA), used by
+`--compile`, and the other CPU kernels built with them (`ISAS` below).
 
 A decode step or a draft-tree verification multiplies 1-16 rows by each weight matrix. oneDNN's packed bfloat16
 products cost ~13 us a call and stream these shapes at 17-22 GB/s, and inductor's C++ GEMM kernels compute in
@@ -16,9 +17,9 @@ faster once per machine and caches the choice; $EAGLESPEC_BF16_KERNEL=dpbf16|fma
 Rapids VM (session 18) vdpbf16ps issues at half the FMA rate, and the FMA loop does 12 rows' arithmetic 1.4x
 faster (`benchmarks/scripts/kernel_variants.py`).
 
-The C++ source is compiled on first use with torch's extension builder (g++, ~10-30 s, cached under
-~/.cache/torch_extensions) and registers `torch.ops.eaglespec.bf16_linear`, an operator torch.compile keeps as one
-call in its graphs (`register_fake` below gives it shapes).
+The C++ sources are compiled on first use with torch's extension builder (g++, one translation unit a build: 20-40 s
+on 2 cores; cached under ~/.cache/torch_extensions) and register `torch.ops.eaglespec.bf16_linear`, an operator
+torch.compile keeps as one call in its graphs (`register_fake` below gives it shapes).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ CSRC = Path(__file__).parent / "csrc"
 
 @dataclass(frozen=True)
 class Isa:
-    """One build of the kernels: the CPU flags it needs, its sources and compiler flags."""
+    """One build of the kernels: the CPU flags it needs, its sources (every file it compiles: the one translation
+    unit, kernels.cpp, first, then the headers it includes) and compiler flags."""
 
     name: str
     cpu_flags: frozenset[str]
@@ -57,29 +59,38 @@ class Isa:
         return Q4_SOURCE in self.sources
 
 
-# The bfloat16 products, the decode-step attention, the KV-cache commit of an accepted path (csrc/commit_rows.cpp,
-# plain C++ in both builds), the verified rows' argmax, the draft's top-k and greedy decoding's screened LM head,
-# built as one extension per instruction set; csrc/ops.cpp holds the operators' schemas and the weight packing both
-# builds share. AVX-512 (with BF16 and VNNI): csrc/*.cpp. AVX2 + FMA (most x86 CPUs of the last ten years, AMD Zen 1-3
-# and Intel's client cores among them): csrc/avx2/*.cpp, the same operators and layouts on 8-lane vectors; its
-# bfloat16 product is the FMA loop only (no bfloat16 dot-product instruction), with the same bits as the AVX-512
-# build's FMA loop, and the greedy screen multiplies bytes with vpmaddubsw instead of VNNI. The 4-bit block product
-# (csrc/avx2/q4_gemm.cpp, eaglespec.q4) exists in AVX2 only and is compiled into both builds: every AVX-512 CPU also
-# runs AVX2 + FMA + F16C code, hence those flags in the AVX-512 build's requirements (GCC's -mavx512f does not imply
-# -mf16c, which the 4-bit product's float16 scales need).
-Q4_SOURCE = CSRC / "avx2" / "q4_gemm.cpp"
+# The bfloat16 products, the decode-step attention, the KV-cache commit of an accepted path, the verified rows'
+# argmax, the draft's top-k and greedy decoding's screened LM head, built as one extension per instruction set.
+# csrc/common/ holds every operator's host code once (argument checks, dispatch over rows and threads, registration;
+# ops.h: the schemas), as templates over the instruction set; csrc/avx512/ (AVX-512 with BF16 and VNNI) and
+# csrc/avx2/ (AVX2 + FMA: most x86 CPUs of the last ten years, AMD Zen 1-3 and Intel's client cores among them) hold
+# only the vector micro-kernels, and each build is one translation unit (its kernels.cpp), so torch's headers are
+# parsed once a build. The AVX2 micro-kernels work on 8-lane vectors; its bfloat16 product is the FMA loop only (no
+# bfloat16 dot-product instruction), with the same bits as the AVX-512 build's FMA loop, and the greedy screen
+# multiplies bytes with vpmaddubsw instead of VNNI. The 4-bit block product (micro-kernels in csrc/avx2/q4_gemm.h,
+# eaglespec.q4) exists in AVX2 only and is compiled into both builds: every AVX-512 CPU also runs AVX2 + FMA + F16C
+# code, hence those flags in the AVX-512 build's requirements (GCC's -mavx512f does not imply -mf16c, which the 4-bit
+# product's float16 scales need).
+COMMON_SOURCES = tuple(CSRC / "common" / f"{name}.h" for name in (
+    "host", "ops", "bf16_gemm", "tree_attention", "commit_rows", "argmax_rows", "topk_rows", "screened_argmax",
+    "q4_gemm"))
+MICRO_KERNELS = ("bf16_gemm", "tree_attention", "argmax_rows", "topk_rows", "screened_argmax")  # in each ISA's folder
+Q4_SOURCE = CSRC / "avx2" / "q4_gemm.h"
+
+
+def _sources(folder: str) -> tuple[Path, ...]:
+    """A build's files: its translation unit, the host code and its micro-kernels (and the AVX2 4-bit ones)."""
+    return ((CSRC / folder / "kernels.cpp",) + COMMON_SOURCES
+            + tuple(CSRC / folder / f"{name}.h" for name in MICRO_KERNELS) + (Q4_SOURCE,))
+
+
 ISAS = {
     "avx512": Isa("avx512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
                                        "avx2", "fma", "f16c"}),
-                  tuple(CSRC / name for name in ("ops.cpp", "bf16_gemm.cpp", "tree_attention.cpp", "commit_rows.cpp",
-                                                 "argmax_rows.cpp", "topk_rows.cpp", "screened_argmax.cpp"))
-                  + (Q4_SOURCE,),
+                  _sources("avx512"),
                   ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
                    "-mfma", "-mf16c", "-fopenmp"), ("dpbf16", "fma")),
-    "avx2": Isa("avx2", frozenset({"avx2", "fma", "f16c"}),
-                tuple([CSRC / "ops.cpp", CSRC / "commit_rows.cpp"]
-                      + [CSRC / "avx2" / name for name in ("bf16_gemm.cpp", "tree_attention.cpp", "argmax_rows.cpp",
-                                                           "topk_rows.cpp", "screened_argmax.cpp")] + [Q4_SOURCE]),
+    "avx2": Isa("avx2", frozenset({"avx2", "fma", "f16c"}), _sources("avx2"),
                 ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"), ("fma",)),
 }
 ISA_ENV = "EAGLESPEC_KERNEL_ISA"  # avx2 forces the AVX2 build on an AVX-512 CPU (to test or compare it)
@@ -89,7 +100,7 @@ ISA_ENV = "EAGLESPEC_KERNEL_ISA"  # avx2 forces the AVX2 build on an AVX-512 CPU
 def isa() -> Isa | None:
     """The kernels' build for this CPU: AVX-512 where it has AVX-512 BF16 and VNNI, else AVX2 + FMA, else None
     ($EAGLESPEC_KERNEL_ISA=avx2 picks the AVX2 build where both would run)."""
-    from .models import cpu_flags
+    from .platform import cpu_flags
 
     flags = cpu_flags()
     forced = os.environ.get(ISA_ENV, "").strip().lower()
@@ -109,7 +120,7 @@ def can_build() -> bool:
     """True where torch's extension builder can compile the kernel: a C++ compiler and ninja (a dependency)."""
     from torch.utils.cpp_extension import is_ninja_available
 
-    from .compiled import cpu_compiler_available
+    from .platform import cpu_compiler_available
 
     return cpu_compiler_available() and is_ninja_available()
 
@@ -130,11 +141,13 @@ def load() -> None:
     build_isa = isa()
     if build_isa is None:
         raise EagleSpecError("eaglespec's bfloat16 kernel needs a CPU with AVX-512 BF16 or AVX2 + FMA")
-    print(f"eaglespec: loading its bfloat16 kernel ({build_isa.name}; built on first use, ~10-30 s)", file=sys.stderr,
+    print(f"eaglespec: loading its bfloat16 kernel ({build_isa.name}; built on first use, ~20-40 s)", file=sys.stderr,
           flush=True)
     name = "eaglespec_kernels" if build_isa.name == "avx512" else f"eaglespec_kernels_{build_isa.name}"
     try:
-        build(name, [str(source) for source in build_isa.sources], extra_cflags=list(build_isa.flags),
+        # (only the translation unit is compiled; torch's ninja build tracks the headers it includes)
+        units = [str(source) for source in build_isa.sources if source.suffix == ".cpp"]
+        build(name, units, extra_cflags=list(build_isa.flags),
               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except (RuntimeError, OSError) as error:
         raise EagleSpecError(f"could not build eaglespec's bfloat16 kernel ({error}); set EAGLESPEC_BF16_GEMM=0 "
@@ -148,7 +161,7 @@ def load() -> None:
     def _(x: Tensor, packed: Tensor, scale: Tensor, n: int, bias: Tensor | None) -> Tensor:
         return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
-    if build_isa.has_q4:  # csrc/avx2/q4_gemm.cpp (eaglespec.q4)
+    if build_isa.has_q4:  # csrc/common/q4_gemm.h (eaglespec.q4)
         @torch.library.register_fake("eaglespec::q4_linear")
         def _(x: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor:
             return x.new_empty(x.shape[0], n)
@@ -194,7 +207,7 @@ def variant() -> str:
     model and instruction set (~50 ms, with this process's threads) and cached under ~/.cache/eaglespec/kernels, so
     that every run on a machine uses the same loop (the two give different bits; each is row-invariant). The AVX2
     build has the FMA loop only."""
-    from .models import cache_root, cpu_flags, cpu_model
+    from .platform import cache_root, cpu_flags, cpu_model
 
     build = isa()
     loops = build.variants if build is not None else tuple(VARIANTS)
@@ -246,19 +259,20 @@ def loaded() -> bool:
 
 def argmax_rows(logits: Tensor) -> Tensor:
     """[N, V] logits -> [N] int64, torch.argmax(-1)'s answer (first index of the maximum), through
-    csrc/argmax_rows.cpp where the kernels are loaded (a few us a row against ~0.1-0.2 ms for torch on bfloat16)."""
+    csrc/common/argmax_rows.h where the kernels are loaded (a few us a row against ~0.1-0.2 ms for torch on
+    bfloat16)."""
     if (logits.dim() == 2 and logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32)
             and loaded()):
         return torch.ops.eaglespec.argmax_rows(logits)
     return logits.argmax(-1)
 
 
-TOPK_MAX = 64  # csrc/topk_rows.cpp's largest k
+TOPK_MAX = 64  # csrc/common/topk_rows.h's largest k
 
 
 def topk_rows(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """(values, indices) of the k largest entries of each row of [N, V] (or [V]) float32 scores, values descending
-    and equal values by ascending index, through csrc/topk_rows.cpp (~1-2 us a row of 8192 against ~24 us for
+    and equal values by ascending index, through csrc/common/topk_rows.h (~1-2 us a row of 8192 against ~24 us for
     torch.topk); torch.topk where that does not apply. Load the kernels first (`load`)."""
     if (scores.dtype == torch.float32 and scores.device.type == "cpu" and scores.dim() in (1, 2)
             and 1 <= k <= min(TOPK_MAX, scores.shape[-1])):
@@ -269,11 +283,11 @@ def topk_rows(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return torch.topk(scores, k, dim=-1)
 
 
-INT8_LANES, INT8_BLOCK = 16, 32  # csrc/screened_argmax.cpp: output columns per packed group, input channels per block
+INT8_LANES, INT8_BLOCK = 16, 32  # csrc/common/screened_argmax.h: columns per packed group, input channels per block
 
 
 def int8_rows(weight: Tensor, chunk: int = 4096) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """An int8 copy of a [N, K] weight for csrc/screened_argmax.cpp's VNNI products, one scale per row: (packed
+    """An int8 copy of a [N, K] weight for csrc/common/screened_argmax.h's integer products, one scale per row: (packed
     [ceil(N/16), K32/4, 16, 4] uint8 holding q + 128, scale, b1, b2 [ceil(N/16) * 16] float32). b1 and b2 bound how far
     the int8 products can be from float32 ones (the kernel's comment has the derivation)."""
     w = weight.detach()
@@ -305,10 +319,10 @@ def int8_rows(weight: Tensor, chunk: int = 4096) -> tuple[Tensor, Tensor, Tensor
 
 class GreedyHead:
     """Greedy decoding's token for each row of x [M, K] under a bfloat16 LM head W [N, K] (no bias), reading an int8
-    copy of W (half the bytes) and scoring exactly only the tokens it cannot rule out: csrc/screened_argmax.cpp has
-    the bound that makes the answer the argmax of the exact float32 logits, ties to the lowest id. Holds the int8
+    copy of W (half the bytes) and scoring exactly only the tokens it cannot rule out: csrc/common/screened_argmax.h
+    has the bound that makes the answer the argmax of the exact float32 logits, ties to the lowest id. Holds the int8
     copy (N K bytes) and a reference to W. Integer products through AVX-512 VNNI, or vpmaddubsw in the AVX2 build
-    (csrc/avx2/screened_argmax.cpp: the same exact integer sums, so the same bound and answer)."""
+    (csrc/avx2/screened_argmax.h: the same exact integer sums, so the same bound and answer)."""
 
     def __init__(self, weight: Tensor):
         load()
@@ -324,7 +338,7 @@ class GreedyHead:
 
 class Int8Linear(nn.Module):
     """y = x W^T (+ b) from an int8 copy of W (one scale per row) and x quantized per block of 32 channels, through
-    AVX-512 VNNI (csrc/screened_argmax.cpp; vpmaddubsw in the AVX2 build): half the bytes of bfloat16, approximate.
+    AVX-512 VNNI (csrc/common/screened_argmax.h; vpmaddubsw in the AVX2 build): half the bytes of bfloat16, approximate.
     For a draft head only, whose errors can cost acceptance but never change what the target accepts.
     x [..., K] -> [..., N] in x's dtype."""
 

@@ -3,24 +3,27 @@
 //
 // torch.topk on one row of 8192 float32 takes ~24 us on this project's CPUs (one thread, every element through a
 // selection), and a draft round makes it 2-3 times. Here one pass keeps the best k seen so far in a small sorted
-// list and compares 16 lanes at a time against the k-th best: after the first few hundred elements almost no
-// lane passes, so a row costs about one vector compare per 16 elements.
+// list and compares 16 lanes at a time against the k-th best (Kernels<Isa>: avx512/topk_rows.h, avx2/topk_rows.h):
+// after the first few hundred elements almost no lane passes, so a row costs about one or two vector compares per 16
+// elements.
 //
 // Order: values descending; equal values by ascending index. A row with a NaN falls back to at::topk for the
 // whole call (torch counts NaN as the largest value).
 
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#pragma once
 
-#include <immintrin.h>
+#include "host.h"
 
-#include <cstdint>
-#include <limits>
-#include <tuple>
+#include <ATen/ops/topk.h>
 
+namespace eaglespec::topk {
 namespace {
 
 constexpr int64_t kMaxK = 64;
+
+// An instruction set's micro-kernel: topk_row(row, v, k, values, indices), false if the row has a NaN.
+template <class Isa>
+struct Kernels;
 
 // Insert (value, index) into the sorted best list of `count` entries (capacity k); index grows along the row, so
 // an equal value goes after the entries already there.
@@ -37,25 +40,7 @@ inline void insert(float value, int64_t index, float* values, int64_t* indices, 
   if (count < k) ++count;
 }
 
-// Returns false if the row has a NaN.
-bool topk_row(const float* row, int64_t v, int64_t k, float* values, int64_t* indices) {
-  int64_t count = 0;
-  __mmask16 nan = 0;
-  for (int64_t i = 0; i < v; i += 16) {
-    const __mmask16 lanes = v - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (v - i)) - 1);
-    const __m512 x = _mm512_maskz_loadu_ps(lanes, row + i);
-    nan |= _mm512_mask_cmp_ps_mask(lanes, x, x, _CMP_UNORD_Q);
-    __mmask16 pass = count < k ? lanes
-                               : _mm512_mask_cmp_ps_mask(lanes, x, _mm512_set1_ps(values[k - 1]), _CMP_GT_OQ);
-    while (pass) {
-      const int lane = __builtin_ctz(pass);
-      pass &= pass - 1;
-      insert(row[i + lane], i + lane, values, indices, count, k);
-    }
-  }
-  return nan == 0;
-}
-
+template <class Isa>
 std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& scores_in, int64_t k) {
   TORCH_CHECK(scores_in.dim() == 2 && scores_in.device().is_cpu() && scores_in.scalar_type() == at::kFloat,
               "topk_rows: scores must be [N, V] float32 on the CPU");
@@ -68,7 +53,7 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& scores_in, int64_
   float* vp = values.data_ptr<float>();
   int64_t* ip = indices.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r) {
-    if (!topk_row(sp + r * v, v, k, vp + r * k, ip + r * k)) {
+    if (!Kernels<Isa>::topk_row(sp + r * v, v, k, vp + r * k, ip + r * k)) {
       return at::topk(scores, k, -1);
     }
   }
@@ -76,7 +61,4 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& scores_in, int64_
 }
 
 }  // namespace
-
-TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
-  m.impl("topk_rows", topk_rows);
-}
+}  // namespace eaglespec::topk

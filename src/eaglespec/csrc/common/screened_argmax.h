@@ -6,7 +6,8 @@
 // the unsigned byte q + 128) with a scale s_n = max_k |w_nk| / 127, so |w_nk - s_n q_nk| <= err_n (measured,
 // <= s_n / 2). An input row x is quantized per block b of 32 channels (sx_b = max_{k in b} |x_k| / 127,
 // |x_k - sx_b xq_k| <= sx_b / 2: an outlier channel widens only its own block) and the screen is an exact integer
-// dot product per block (AVX-512 VNNI, 4 bytes a lane per instruction: 28 MB read instead of 57):
+// dot product per block (AVX-512 VNNI, 4 bytes a lane per instruction, or AVX2's vpmaddubsw: 28 MB read instead of
+// 57; Kernels<Isa>: avx512/screened_argmax.h, avx2/screened_argmax.h, the same integers, hence the same bits):
 //   a_n = s_n sum_b sx_b sum_{k in b} xq_k q_nk
 //   E_n = sum_k x_k w_nk           (float32, in one fixed order, from the bfloat16 row itself)
 //   E_n - a_n = sum_k x_k (w_nk - s_n q_nk) + s_n sum_k q_nk (x_k - sx_b xq_k) + roundings, so
@@ -17,7 +18,7 @@
 // the largest E_n among the candidates {n : a_n + e_n >= T}: the argmax of E over the whole vocabulary, ties to the
 // lowest index, a function of the row alone (row-invariant), over a few to a few hundred candidates (SmolLM2-135M's
 // final hidden states: median 18, max 378; random tokens' flat logits leave thousands, which the threads share;
-// benchmarks/scripts/lm_head_screen_bound.py). E is not the bfloat16 kernel's logit bit for bit (another summation
+// benchmarks/microbench/lm_head_screen_bound.py). E is not the bfloat16 kernel's logit bit for bit (another summation
 // order, and no rounding to bfloat16); greedy decoding, plain or speculative, uses this one wherever it applies, so
 // they agree token for token.
 //
@@ -26,113 +27,34 @@
 // int8_linear runs the same integer products without the bound: approximate logits a_n for the draft heads' LM head
 // (bf16gemm.Int8Linear), where an error can only cost acceptance.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#pragma once
 
-#include <immintrin.h>
+#include "host.h"
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <vector>
-
+namespace eaglespec::screen {
 namespace {
 
 constexpr int64_t kLanes = 16;  // output columns per packed group
-constexpr int64_t kRows = 8;    // input rows per pass
+constexpr int64_t kRows = 8;    // input rows per screen call (scratch rows)
 constexpr int64_t kBlock = 32;  // input channels per quantization block of x
-constexpr int64_t kSteps = kBlock / 4;  // vpdpbusd steps (4 channels each) per block
+constexpr int64_t kSteps = kBlock / 4;  // 64-byte units (16 columns x 4 channels) per block
 constexpr int64_t kSerialCandidates = 256;  // exact scores one thread computes before the work is shared
 constexpr int64_t kAhead = 8 * kBlock * kLanes;  // software prefetch distance in weight bytes: 8 blocks
-
-// E_n for one input row (float32 [K]) and one bfloat16 weight row: 16 lanes of ordered FMAs (lane l over k = l mod
-// 16), then one fixed horizontal sum.
-float exact_dot(const float* x, const uint16_t* w, int64_t k) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += kLanes) {
-    const __mmask16 m = k - i >= kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - i)) - 1);
-    const __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
-    const __m512 wv =
-        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w + i)), 16));
-    acc = _mm512_fmadd_ps(xv, wv, acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
 
 // One input row, quantized: xq [K32] signed bytes, the scale of each block and the sum of its xq.
 struct Quantized {
   const int8_t* xq;
   const float* sx;      // [blocks]
-  const int32_t* xsum;  // [blocks]: sum_{k in b} xq_k (the weights are stored as q + 128)
+  const int32_t* xsum;  // [blocks]: sum_{k in b} xq_k (AVX-512: the weights are stored as q + 128)
 };
 
-// hi[r][n] = a_n + e_n for rows [0, R) and the groups [g0, g1) of the packed weight ([G, K32/4, 16, 4] bytes
-// q + 128); lo[r] = the largest a - e over those columns. Per block, C chains of int32 sums (exact in any order),
-// then one float32 FMA by the block's scale (a fixed order: a_n is the same for a row in any call).
-// BOUND = false (int8_linear): hi[r][n] = a_n + bias_n instead (row stride n; b1 is the float32 bias or null; b2, l1,
-// sxsum and lo unused).
-template <int R, int C, bool BOUND>
-void screen_groups(const Quantized* x, int64_t blocks, const uint8_t* packed, const float* scale, const float* b1,
-                   const float* b2, const float* l1, const float* sxsum, int64_t g0, int64_t g1, int64_t n,
-                   int64_t n_pad, float* hi, float* lo) {
-  const int64_t group_bytes = blocks * kBlock * kLanes;
-  for (int64_t g = g0; g < g1; ++g) {
-    __m512 acc[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    const uint8_t* w = packed + g * group_bytes;
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m512i sum[R][C];
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-        for (int c = 0; c < C; ++c) sum[r][c] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-      for (int64_t s = 0; s < kSteps; ++s) {
-        const __m512i wv = _mm512_loadu_si512(w + s * 64);
-        _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + s * 64), _MM_HINT_T0);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          int32_t four;
-          std::memcpy(&four, x[r].xq + b * kBlock + 4 * s, 4);
-          sum[r][s % C] = _mm512_dpbusd_epi32(sum[r][s % C], wv, _mm512_set1_epi32(four));
-        }
-      }
-      w += kSteps * 64;
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        __m512i total = sum[r][0];
-#pragma GCC unroll 2
-        for (int c = 1; c < C; ++c) total = _mm512_add_epi32(total, sum[r][c]);
-        total = _mm512_sub_epi32(total, _mm512_set1_epi32(128 * x[r].xsum[b]));  // sum_k xq_k q_nk, exact
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(x[r].sx[b]), acc[r]);
-      }
-    }
-    const __m512 s = _mm512_loadu_ps(scale + g * kLanes);
-    const int64_t left = n - g * kLanes;  // columns of this group that exist (the padding never sets T)
-    const __mmask16 valid = left >= kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-    if constexpr (!BOUND) {
-      const __m512 bias = b1 ? _mm512_maskz_loadu_ps(valid, b1 + g * kLanes) : _mm512_setzero_ps();
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-        _mm512_mask_storeu_ps(hi + r * n + g * kLanes, valid, _mm512_fmadd_ps(acc[r], s, bias));
-      continue;
-    }
-    const __m512 e1 = _mm512_loadu_ps(b1 + g * kLanes), e2 = _mm512_loadu_ps(b2 + g * kLanes);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_mul_ps(acc[r], s);
-      const __m512 e = _mm512_fmadd_ps(_mm512_set1_ps(l1[r]), e1, _mm512_mul_ps(_mm512_set1_ps(sxsum[r]), e2));
-      _mm512_storeu_ps(hi + r * n_pad + g * kLanes, _mm512_add_ps(a, e));
-      lo[r] = std::max(lo[r], _mm512_mask_reduce_max_ps(valid, _mm512_sub_ps(a, e)));
-    }
-  }
-}
+// An instruction set's micro-kernels: exact_dot (E_n for one input row and one bfloat16 weight row: 16 lanes of
+// ordered FMAs, lane l over k = l mod 16, then one fixed horizontal sum), screen_groups<R, BOUND> (the screen's
+// hi and lo over a range of packed groups) and candidates (the columns whose a + e reach T, ascending).
+template <class Isa>
+struct Kernels;
 
-template <int R, bool BOUND = true>
+template <class Isa, int R, bool BOUND = true>
 void screen(const Quantized* x, int64_t blocks, const uint8_t* packed, const float* scale, const float* b1,
             const float* b2, const float* l1, const float* sxsum, int64_t groups, int64_t n, int64_t n_pad, float* hi,
             float* lo_out) {
@@ -140,7 +62,8 @@ void screen(const Quantized* x, int64_t blocks, const uint8_t* packed, const flo
   std::vector<float> lo(static_cast<size_t>(threads) * R, -std::numeric_limits<float>::infinity());
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {  // (a few groups a task: small heads too)
     float* mine = lo.data() + static_cast<size_t>(at::get_thread_num()) * R;
-    screen_groups<R, (R <= 4 ? 2 : 1), BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, g0, g1, n, n_pad, hi, mine);
+    Kernels<Isa>::template screen_groups<R, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, g0, g1, n, n_pad, hi,
+                                                   mine);
   });
   if constexpr (!BOUND) return;
   for (int r = 0; r < R; ++r) {
@@ -151,19 +74,19 @@ void screen(const Quantized* x, int64_t blocks, const uint8_t* packed, const flo
 }
 
 // `screen` for 1-8 rows (a compile-time count).
-template <bool BOUND>
+template <class Isa, bool BOUND>
 void screen_rows(int rows, const Quantized* x, int64_t blocks, const uint8_t* packed, const float* scale,
                  const float* b1, const float* b2, const float* l1, const float* sxsum, int64_t groups, int64_t n,
                  int64_t n_pad, float* hi, float* lo) {
   switch (rows) {
-    case 1: return screen<1, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    case 2: return screen<2, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    case 3: return screen<3, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    case 4: return screen<4, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    case 5: return screen<5, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    case 6: return screen<6, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    case 7: return screen<7, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    default: return screen<8, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 1: return screen<Isa, 1, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 2: return screen<Isa, 2, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 3: return screen<Isa, 3, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 4: return screen<Isa, 4, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 5: return screen<Isa, 5, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 6: return screen<Isa, 6, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 7: return screen<Isa, 7, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    default: return screen<Isa, 8, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
   }
 }
 
@@ -195,6 +118,32 @@ bool quantize_row(const float* x, int64_t k, int64_t blocks, int8_t* xq, float* 
   return std::isfinite(*l1) && std::isfinite(*sxsum);
 }
 
+// The quantized copies of up to kRows input rows of `blocks` blocks.
+struct QuantizedRows {
+  int64_t blocks;
+  std::vector<int8_t> xq;
+  std::vector<float> sx;
+  std::vector<int32_t> xsum;
+  explicit QuantizedRows(int64_t row_blocks)
+      : blocks(row_blocks),
+        xq(static_cast<size_t>(kRows * row_blocks * kBlock)),
+        sx(static_cast<size_t>(kRows * row_blocks)),
+        xsum(static_cast<size_t>(kRows * row_blocks)) {}
+  // Row r of a pass from x [k] -> q[r], *l1, *sxsum; false if x is not finite.
+  bool quantize(int r, const float* x, int64_t k, Quantized* q, float* l1, float* sxsum) {
+    q[r] = {xq.data() + r * blocks * kBlock, sx.data() + r * blocks, xsum.data() + r * blocks};
+    return quantize_row(x, k, blocks, xq.data() + r * blocks * kBlock, sx.data() + r * blocks,
+                        xsum.data() + r * blocks, l1, sxsum);
+  }
+};
+
+// The packed int8 weight [ceil(N/16), ceil(K/32) * 8, 16, 4] uint8 for K channels: true if its shape matches.
+bool packed_fits(const at::Tensor& packed, int64_t blocks, int64_t n) {
+  return packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.size(1) * 4 == blocks * kBlock &&
+         packed.size(2) == kLanes && packed.size(3) == 4 && packed.size(0) * kLanes >= n && packed.is_contiguous();
+}
+
+template <class Isa>
 at::Tensor screened_argmax(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
                            const at::Tensor& b1, const at::Tensor& b2, const at::Tensor& weight) {
   TORCH_CHECK(x_in.dim() == 2, "screened_argmax: x must be [M, K]");
@@ -203,9 +152,7 @@ at::Tensor screened_argmax(const at::Tensor& x_in, const at::Tensor& packed, con
   const int64_t m = x_in.size(0), k = x_in.size(1), n = weight.size(0);
   const int64_t blocks = (k + kBlock - 1) / kBlock;
   TORCH_CHECK(weight.size(1) == k, "screened_argmax: x and weight disagree on K");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.size(1) * 4 == blocks * kBlock &&
-                  packed.size(2) == kLanes && packed.size(3) == 4 && packed.size(0) * kLanes >= n &&
-                  packed.is_contiguous(),
+  TORCH_CHECK(packed_fits(packed, blocks, n),
               "screened_argmax: packed must be [ceil(N/16), ceil(K/32) * 8, 16, 4] uint8");
   const int64_t groups = packed.size(0), n_pad = groups * kLanes;
   for (const at::Tensor* t : {&scale, &b1, &b2})
@@ -218,9 +165,7 @@ at::Tensor screened_argmax(const at::Tensor& x_in, const at::Tensor& packed, con
   thread_local std::vector<float> scratch;  // a [kRows, n_pad] buffer kept between calls (allocated once)
   if (scratch.size() < static_cast<size_t>(kRows * n_pad)) scratch.resize(static_cast<size_t>(kRows * n_pad));
   float* hi = scratch.data();
-  std::vector<int8_t> xq(static_cast<size_t>(kRows * blocks * kBlock));
-  std::vector<float> sx(static_cast<size_t>(kRows * blocks));
-  std::vector<int32_t> xsum(static_cast<size_t>(kRows * blocks));
+  QuantizedRows quantized(blocks);
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float *sp = scale.data_ptr<float>(), *b1p = b1.data_ptr<float>(), *b2p = b2.data_ptr<float>();
@@ -231,34 +176,24 @@ at::Tensor screened_argmax(const at::Tensor& x_in, const at::Tensor& packed, con
     Quantized q[kRows];
     float l1[kRows], sxsum[kRows], lo[kRows];
     bool finite = true;
-    for (int r = 0; r < rows; ++r) {
-      q[r] = {xq.data() + r * blocks * kBlock, sx.data() + r * blocks, xsum.data() + r * blocks};
-      finite = quantize_row(xp + (r0 + r) * k, k, blocks, xq.data() + r * blocks * kBlock, sx.data() + r * blocks,
-                            xsum.data() + r * blocks, &l1[r], &sxsum[r]) && finite;
-    }
+    for (int r = 0; r < rows; ++r)
+      finite = quantized.quantize(r, xp + (r0 + r) * k, k, q, &l1[r], &sxsum[r]) && finite;
     if (!finite) {
       for (int r = 0; r < rows; ++r) op[r0 + r] = -1;
       continue;
     }
-    screen_rows<true>(rows, q, blocks, pp, sp, b1p, b2p, l1, sxsum, groups, n, n_pad, hi, lo);
+    screen_rows<Isa, true>(rows, q, blocks, pp, sp, b1p, b2p, l1, sxsum, groups, n, n_pad, hi, lo);
     for (int r = 0; r < rows; ++r) {
       // candidates: a + e >= T, in ascending n; then the first largest E wins
-      const float* h = hi + r * n_pad;
-      const __m512 t = _mm512_set1_ps(lo[r]);
       candidates.clear();
-      for (int64_t i = 0; i < n; i += kLanes) {
-        const __mmask16 valid = n - i >= kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-        for (__mmask16 pass = _mm512_mask_cmp_ps_mask(valid, _mm512_loadu_ps(h + i), t, _CMP_GE_OQ); pass;
-             pass &= pass - 1)
-          candidates.push_back(i + __builtin_ctz(pass));
-      }
+      Kernels<Isa>::candidates(hi + r * n_pad, n, lo[r], candidates);
       const float* row = xp + (r0 + r) * k;
       const int64_t count = static_cast<int64_t>(candidates.size());
       exact.resize(candidates.size());
       // A handful on real hidden states; many where the logits are flat (e.g. random tokens): then the threads
       // share them (each E is the same whichever thread computes it)
       at::parallel_for(0, count, kSerialCandidates, [&](int64_t c0, int64_t c1) {
-        for (int64_t c = c0; c < c1; ++c) exact[c] = exact_dot(row, w + candidates[c] * k, k);
+        for (int64_t c = c0; c < c1; ++c) exact[c] = Kernels<Isa>::exact_dot(row, w + candidates[c] * k, k);
       });
       float best = -std::numeric_limits<float>::infinity();
       int64_t best_n = -1;
@@ -276,22 +211,17 @@ at::Tensor screened_argmax(const at::Tensor& x_in, const at::Tensor& packed, con
 // x [M, K], packed / scale as for screened_argmax, bias [n] float32 or none -> [M, n] float32: the int8 copy's
 // products a_n (+ bias), each input row quantized per block of 32 channels. Approximate (within the bound above):
 // the draft's logits (bf16gemm.Int8Linear), never the target's. A row that is not finite gives NaN.
+template <class Isa>
 at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale, int64_t n,
                        const std::optional<at::Tensor>& bias_in) {
   TORCH_CHECK(x_in.dim() == 2, "int8_linear: x must be [M, K]");
   const int64_t m = x_in.size(0), k = x_in.size(1), blocks = (k + kBlock - 1) / kBlock;
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.size(1) * 4 == blocks * kBlock &&
-                  packed.size(2) == kLanes && packed.size(3) == 4 && packed.size(0) * kLanes >= n &&
-                  (packed.size(0) - 1) * kLanes < n && packed.is_contiguous(),
+  TORCH_CHECK(packed_fits(packed, blocks, n) && (packed.size(0) - 1) * kLanes < n,
               "int8_linear: packed does not match x [", m, ", ", k, "] and ", n, " outputs");
   const int64_t groups = packed.size(0), n_pad = groups * kLanes;
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n_pad && scale.is_contiguous(),
               "int8_linear: scale must be float32 [ceil(N/16) * 16]");
-  at::Tensor bias;
-  if (bias_in.has_value()) {
-    bias = bias_in->to(at::kFloat).contiguous();
-    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n, "int8_linear: bias must be [", n, "]");
-  }
+  const at::Tensor bias = float_bias(bias_in, n, "int8_linear");
   at::Tensor y = at::empty({m, n}, x_in.options().dtype(at::kFloat));
   if (m == 0 || n == 0) return y;
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
@@ -299,23 +229,20 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   float* yp = y.data_ptr<float>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
-  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  std::vector<int8_t> xq(static_cast<size_t>(kRows * blocks * kBlock));
-  std::vector<float> sx(static_cast<size_t>(kRows * blocks));
-  std::vector<int32_t> xsum(static_cast<size_t>(kRows * blocks));
+  const float* bp = float_data(bias);
+  QuantizedRows quantized(blocks);
+  float* sx = quantized.sx.data();
   for (int64_t r0 = 0; r0 < m; r0 += kRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r0));
     Quantized q[kRows];
     float l1, sxsum;
     bool finite[kRows];
     for (int r = 0; r < rows; ++r) {
-      q[r] = {xq.data() + r * blocks * kBlock, sx.data() + r * blocks, xsum.data() + r * blocks};
-      finite[r] = quantize_row(xp + (r0 + r) * k, k, blocks, xq.data() + r * blocks * kBlock, sx.data() + r * blocks,
-                               xsum.data() + r * blocks, &l1, &sxsum);
-      if (!finite[r]) std::fill(sx.data() + r * blocks, sx.data() + (r + 1) * blocks, 0.0f);  // NaN after the call
+      finite[r] = quantized.quantize(r, xp + (r0 + r) * k, k, q, &l1, &sxsum);
+      if (!finite[r]) std::fill(sx + r * blocks, sx + (r + 1) * blocks, 0.0f);  // NaN after the call
     }
     float* out = yp + r0 * n;
-    screen_rows<false>(rows, q, blocks, pp, sp, bp, nullptr, nullptr, nullptr, groups, n, n_pad, out, nullptr);
+    screen_rows<Isa, false>(rows, q, blocks, pp, sp, bp, nullptr, nullptr, nullptr, groups, n, n_pad, out, nullptr);
     for (int r = 0; r < rows; ++r)
       if (!finite[r]) std::fill(out + r * n, out + (r + 1) * n, std::numeric_limits<float>::quiet_NaN());
   }
@@ -323,8 +250,4 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
 }
 
 }  // namespace
-
-TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
-  m.impl("screened_argmax", screened_argmax);
-  m.impl("int8_linear", int8_linear);
-}
+}  // namespace eaglespec::screen

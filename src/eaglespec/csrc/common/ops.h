@@ -1,0 +1,54 @@
+// The schemas of eaglespec's CPU operators and the list of their implementations.
+//
+// The kernels come in one build per instruction set (eaglespec.bf16gemm.ISAS): AVX-512 (avx512/kernels.cpp) and
+// AVX2 + FMA (avx2/kernels.cpp). Both define these schemas and register the same host code over their own
+// micro-kernels, so Python code and compiled graphs call the same operators whichever build the CPU loaded, and both
+// read the same packed layouts.
+
+#pragma once
+
+#include "argmax_rows.h"
+#include "bf16_gemm.h"
+#include "commit_rows.h"
+#include "host.h"
+#include "q4_gemm.h"
+#include "screened_argmax.h"
+#include "topk_rows.h"
+#include "tree_attention.h"
+
+TORCH_LIBRARY(eaglespec, m) {
+  m.def("bf16_pack(Tensor weight) -> Tensor");
+  // (variant has no default: inductor's C++ wrapper leaves out arguments equal to their default, and its call through
+  // the dispatcher then fails; every caller passes it)
+  m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias, int variant) -> Tensor");
+  m.def("tree_attention(Tensor q, Tensor keys_t, Tensor values, Tensor? step_mask) -> Tensor");
+  m.def("commit_rows(Tensor(a!)[] keys_t, Tensor(b!)[] values, int c, int[] rows) -> ()");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("topk_rows(Tensor scores, int k) -> (Tensor, Tensor)");
+  m.def("screened_argmax(Tensor x, Tensor packed, Tensor scale, Tensor b1, Tensor b2, Tensor weight) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, int n, Tensor? bias) -> Tensor");
+  m.def("q4_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("q4_unpack(Tensor packed, int n, int k) -> Tensor");
+}
+
+namespace eaglespec {
+namespace {
+
+// Every operator's CPU implementation over Isa's micro-kernels. The 4-bit product has AVX2 micro-kernels only, which
+// every AVX-512 CPU runs too.
+template <class Isa>
+void register_kernels(torch::Library& m) {
+  m.impl("bf16_pack", bf16::bf16_pack);
+  m.impl("bf16_linear", bf16::bf16_linear<Isa>);
+  m.impl("tree_attention", attention::tree_attention<Isa>);
+  m.impl("commit_rows", commit::commit_rows);
+  m.impl("argmax_rows", argmax::argmax_rows<Isa>);
+  m.impl("topk_rows", topk::topk_rows<Isa>);
+  m.impl("screened_argmax", screen::screened_argmax<Isa>);
+  m.impl("int8_linear", screen::int8_linear<Isa>);
+  m.impl("q4_linear", q4::q4_linear<Avx2>);
+  m.impl("q4_unpack", q4::q4_unpack<Avx2>);
+}
+
+}  // namespace
+}  // namespace eaglespec

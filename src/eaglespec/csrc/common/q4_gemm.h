@@ -1,0 +1,135 @@
+// Few-row products with weights stored as 4-bit blocks, for CPUs with AVX2 + FMA + F16C:
+// y[M, N] = x[M, K] W[N, K]^T (+ b), where every block of 32 consecutive k of a row of W is exactly d q + m with
+// q in [0, 15] and d, m float16 (llama.cpp's Q4_1 form; eaglespec.q4 finds it in float32 weights and packs it).
+//
+// Why: a decode step of a small model on a few cores is bound by reading its weights; 20 bytes per 32 weights here
+// against 64 in bfloat16 (SmolLM2-135M's layers: 66 MB a step instead of 212).
+//
+// The sum over a block factors: sum_k x[k] (d q[k] + m) = d S + m X with S = sum_k x[k] q[k] and X = sum_k x[k], so a
+// weight costs no rebuild, only its q as a float (the micro-kernels: avx2/q4_gemm.h, the only ones, which the
+// AVX-512 build runs too). Every product x[k] q[k] is exact and every row goes through the same sums in the same
+// order whatever the number of rows in the call: a row gets the same bits alone or in a verify pass (row-invariant),
+// which keeps speculative decoding exactly plain decoding. The result is the float32 product of the exact 4-bit
+// weights to float32 rounding (not bit for bit the bfloat16 kernel's).
+//
+// Packed layout (q4_pack in eaglespec/q4.py): [N/32 groups][K/32 blocks][640 bytes]; a group-block holds d of its
+// 32 columns (float16, 64 bytes), then m (64 bytes), then the q as 4 octets x 4 vectors x 8 columns of uint32 (512
+// bytes), where uint32 lane c of vector v of octet j holds q[8 v + c][32 b + 8 j + i] in bits [4 i, 4 i + 4).
+//
+// Rows go through in passes of up to 4 (6 rows = 4 + 2), the later passes reading the group from L1/L2.
+// Threads: at::parallel_for over column groups (torch's intra-op pool).
+
+#pragma once
+
+#include "host.h"
+
+namespace eaglespec::q4 {
+namespace {
+
+constexpr int64_t kCols = 32;                   // output columns per group: 4 vectors of 8 float32 lanes
+constexpr int64_t kBlockK = 32;                 // k per block (one d and m per column)
+constexpr int64_t kBlockBytes = 640;            // 64 d + 64 m + 512 q
+constexpr int64_t kScaleBytes = 128;
+constexpr int64_t kPassRows = 4;                // rows per pass over a group
+constexpr int64_t kMaxM = 64;                   // rows per pass over the weights; longer inputs take several
+// x[k] 16^-i for nibble i = k mod 8 (the micro-kernels mask nibble i in place, which leaves q 16^i); the last
+// nibble is shifted down, so 1
+constexpr float kNibbleScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
+
+// The micro-kernels: group_rows (rows <= kPassRows times all 32 columns of a group -> acc), unpack_block (a
+// group-block's q as float32) and block_scales (its d and m as float32).
+template <class Isa>
+struct Kernels;
+
+// float32 -> bfloat16 bits, rounded to nearest even; NaN stays a quiet NaN (avx2/bf16_gemm.h's rounding).
+inline uint16_t to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// Rows [0, m) (m <= kMaxM) times every group -> y [m, n] bfloat16. xs: the rows scaled by kNibbleScale (row stride
+// ldx); xsum [m][blocks]: their block sums.
+template <class Isa>
+void linear_rows(const float* xs, const float* xsum, int64_t ldx, int64_t m, const uint8_t* wp,
+                 int64_t groups, int64_t blocks, int64_t n, const float* bp, uint16_t* yp) {
+  at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
+    alignas(32) float acc[kMaxM * kCols];
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* group = wp + g * blocks * kBlockBytes;
+      for (int64_t row = 0; row < m; row += kPassRows)  // 4-row passes are the cheapest per row: 6 rows = 4 + 2
+        Kernels<Isa>::group_rows(std::min(kPassRows, m - row), xs + row * ldx, ldx, xsum + row * blocks, blocks,
+                                 group, acc + row * kCols);
+      const int64_t col = g * kCols, columns = std::min(kCols, n - col);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = 0; c < columns; ++c)
+          yp[r * n + col + c] = to_bf16(acc[r * kCols + c] + (bp ? bp[col + c] : 0.0f));
+    }
+  });
+}
+
+void check_packed(const at::Tensor& packed, int64_t n, int64_t k) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlockBytes && packed.scalar_type() == at::kByte &&
+                  packed.is_contiguous(), "q4_linear: packed must come from eaglespec.q4.q4_pack");
+  TORCH_CHECK(k == packed.size(1) * kBlockK && n > (packed.size(0) - 1) * kCols && n <= packed.size(0) * kCols,
+              "q4_linear: [", n, ", ", k, "] does not match the packed weight (", packed.size(0), " groups of 32 "
+              "columns, ", packed.size(1), " blocks of 32 k)");
+}
+
+// x [M, K] bfloat16, packed [ceil(n/32), K/32, 640] uint8, bias [n] or none -> [M, n] bfloat16.
+template <class Isa>
+at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
+                     const std::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "q4_linear: x must be [M, K] bfloat16");
+  const int64_t m = x_in.size(0), k = x_in.size(1);
+  check_packed(packed, n, k);
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor bias = float_bias(bias_in, n, "q4_linear");
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const float* bp = float_data(bias);
+  const int64_t blocks = k / kBlockK, chunk = std::min(kMaxM, m);
+  std::unique_ptr<float[]> xf(new float[chunk * k]), xs(new float[chunk * k]), xsum(new float[chunk * blocks]);
+  for (int64_t row = 0; row < m; row += kMaxM) {  // each row's sums are independent of the chunk it is in
+    const int64_t rows = std::min(kMaxM, m - row);
+    widen_bf16(xp + row * k, rows * k, xf.get());  // exact float32 copies of the bfloat16 inputs
+    for (int64_t i = 0; i < rows * k; ++i) xs[i] = xf[i] * kNibbleScale[i % 8];
+    for (int64_t i = 0; i < rows * blocks; ++i) {  // in order of k
+      float sum = 0.0f;
+      for (int64_t kk = 0; kk < kBlockK; ++kk) sum += xf[i * kBlockK + kk];
+      xsum[i] = sum;
+    }
+    linear_rows<Isa>(xs.get(), xsum.get(), k, rows, packed.data_ptr<uint8_t>(), packed.size(0), blocks, n, bp,
+                     yp + row * n);
+  }
+  return y;
+}
+
+// The float32 weights [n, K] the packing holds, fmaf(d, q, m) (gguf's float32 dequantization): to check the
+// packing against it.
+template <class Isa>
+at::Tensor q4_unpack(const at::Tensor& packed, int64_t n, int64_t k) {
+  check_packed(packed, n, k);
+  const int64_t groups = packed.size(0), blocks = packed.size(1);
+  at::Tensor w = at::empty({groups * kCols, k}, at::kFloat);
+  alignas(32) float qf[kBlockK * kCols];
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* out = w.data_ptr<float>();
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = wp + (g * blocks + b) * kBlockBytes;
+      Kernels<Isa>::unpack_block(blk, qf);
+      alignas(32) float d[kCols], m[kCols];
+      Kernels<Isa>::block_scales(blk, d, m);
+      for (int64_t kk = 0; kk < kBlockK; ++kk)
+        for (int64_t c = 0; c < kCols; ++c)
+          out[(g * kCols + c) * k + b * kBlockK + kk] = std::fmaf(d[c], qf[kk * kCols + c], m[c]);
+    }
+  return w.narrow(0, 0, n).contiguous();
+}
+
+}  // namespace
+}  // namespace eaglespec::q4
