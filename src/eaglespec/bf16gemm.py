@@ -1,21 +1,21 @@
 """eaglespec's own few-row bfloat16 products (csrc/common/bf16_gemm.h, with the micro-kernels of
-csrc/avx512/bf16_gemm.h for CPUs with AVX-512 BF16 and csrc/avx2/bf16_gemm.h for CPUs with AVX2 + FMA), used by
-`--compile`, and the other CPU kernels built with them (`ISAS` below).
+csrc/avx512/bf16_gemm.h for CPUs with AVX-512 BF16 and csrc/avx2/bf16_gemm.h for CPUs with AVX2 + FMA), which every
+bfloat16 decode step on such a CPU runs (eager or compiled), and the other CPU kernels built with them (`ISAS` below).
 
 A decode step or a draft-tree verification multiplies 1-16 rows by each weight matrix. oneDNN's packed bfloat16
 products cost ~13 us a call and stream these shapes at 17-22 GB/s, and inductor's C++ GEMM kernels compute in
-float32 FMAs (4.7x slower than oneDNN at 8 rows; benchmarks/RESULTS.md, session 14). This kernel reads the packed
-weight once per call and multiplies with vdpbf16ps: all matrix products of a SmolLM2-135M step (2 cores, called
-from Python, `benchmarks/scripts/bf16_gemm_cost.py`) take ~10-10.6 ms for 1-6 rows and 11.7 ms for 8, against
-13.4-15.5 ms with oneDNN (RESULTS.md, session 15). Calls of 7-64 rows run several register tiles over each weight
-block while it is in L1 and prefetch the next, so the weights still stream once (session 17, a Zen 5 machine: 16
-rows 7.31 -> 5.56 ms against 3.81 for one row; `benchmarks/scripts/kernel_ab.py`). Each row gets the same bits
-whatever the number of rows in the call.
+float32 FMAs (4.7x slower than oneDNN at 8 rows on a 2-core AMD EPYC Zen 5; docs/cpu.md). This kernel reads
+the packed weight once per call and multiplies with vdpbf16ps: all matrix products of a SmolLM2-135M step (2 cores,
+called from Python, `benchmarks/microbench/bf16_gemm_cost.py`) take ~10-10.6 ms for 1-6 rows and 11.7 ms for 8,
+against 13.4-15.5 ms with oneDNN (same machine). Calls of 7-64 rows run several register tiles over each weight
+block while it is in L1 and prefetch the next, so the weights still stream once (Zen 5: 16 rows 7.31 -> 5.56 ms
+against 3.81 for one row; `benchmarks/microbench/kernel_ab.py`). Each row gets the same bits whatever the number of
+rows in the call.
 
 Two multiply loops: vdpbf16ps, or float32 FMAs on weights widened from bfloat16 (`variant()` measures which is
-faster once per machine and caches the choice; $EAGLESPEC_BF16_KERNEL=dpbf16|fma forces one). On an Intel Emerald
-Rapids VM (session 18) vdpbf16ps issues at half the FMA rate, and the FMA loop does 12 rows' arithmetic 1.4x
-faster (`benchmarks/scripts/kernel_variants.py`).
+faster once per machine and caches the choice; $EAGLESPEC_BF16_KERNEL=dpbf16|fma forces one, eaglespec.envs). On a
+2-vCPU Intel Emerald Rapids VM vdpbf16ps issued at half the FMA rate, and the FMA loop did 12 rows' arithmetic 1.4x
+faster (`benchmarks/microbench/kernel_variants.py`).
 
 The C++ sources are compiled on first use with torch's extension builder (g++, one translation unit a build: 20-40 s
 on 2 cores; cached under ~/.cache/torch_extensions) and register `torch.ops.eaglespec.bf16_linear`, an operator
@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from . import envs
 from .errors import EagleSpecError
 
 CSRC = Path(__file__).parent / "csrc"
@@ -93,7 +94,7 @@ ISAS = {
     "avx2": Isa("avx2", frozenset({"avx2", "fma", "f16c"}), _sources("avx2"),
                 ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"), ("fma",)),
 }
-ISA_ENV = "EAGLESPEC_KERNEL_ISA"  # avx2 forces the AVX2 build on an AVX-512 CPU (to test or compare it)
+ISA_ENV = envs.KERNEL_ISA  # avx2 forces the AVX2 build on an AVX-512 CPU (to test or compare it)
 
 
 @functools.cache
@@ -103,8 +104,8 @@ def isa() -> Isa | None:
     from .platform import cpu_flags
 
     flags = cpu_flags()
-    forced = os.environ.get(ISA_ENV, "").strip().lower()
-    if forced and forced != "auto":
+    forced = envs.kernel_isa()
+    if forced != "auto":
         if forced not in ISAS:
             raise EagleSpecError(f"{ISA_ENV}={forced!r} is not a kernel build; use auto, {', '.join(ISAS)}")
         return ISAS[forced] if ISAS[forced].cpu_flags <= flags else None
@@ -129,7 +130,7 @@ def available(dtype: torch.dtype, device: torch.device | str) -> bool:
     """True where `--compile` uses this kernel: bfloat16 weights on a CPU with AVX-512 BF16 or AVX2, and `can_build`
     (set EAGLESPEC_BF16_GEMM=0 to use oneDNN / inductor's products instead)."""
     return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and cpu_supported() and can_build()
-            and os.environ.get("EAGLESPEC_BF16_GEMM", "1") != "0")
+            and envs.bf16_gemm_enabled())
 
 
 @functools.cache
@@ -176,7 +177,7 @@ def load() -> None:
 # Sapphire / Emerald Rapids) both give the same arithmetic rate and the FMA loop runs faster (fewer dependent
 # uops), so calls of 8-16 rows, which are bound by arithmetic there, cost less.
 VARIANTS = {"dpbf16": 0, "fma": 1}
-VARIANT_ENV = "EAGLESPEC_BF16_KERNEL"
+VARIANT_ENV = envs.BF16_KERNEL
 MIN_GAIN = 1.1  # the FMA loop is chosen only where it is at least this much faster: a stable choice
 
 
@@ -211,8 +212,8 @@ def variant() -> str:
 
     build = isa()
     loops = build.variants if build is not None else tuple(VARIANTS)
-    forced = os.environ.get(VARIANT_ENV, "").strip().lower()
-    if forced and forced != "auto":
+    forced = envs.bf16_kernel_loop()
+    if forced != "auto":
         if forced not in VARIANTS:
             raise EagleSpecError(f"{VARIANT_ENV}={forced!r} is not a kernel variant; use auto, dpbf16 or fma")
         if forced not in loops:
@@ -384,11 +385,11 @@ def with_kernel(module: nn.Module) -> nn.Module:
                            if available(linear.weight.dtype, linear.weight.device) else None)
 
 
-DRAFT_INT8_ENV = "EAGLESPEC_DRAFT_INT8"
+DRAFT_INT8_ENV = envs.DRAFT_INT8
 
 
 def draft_int8() -> bool:
     """Whether draft heads that run on the kernels score their draft vocabulary through an int8 copy of its LM-head
     rows (`Int8Linear`): on unless $EAGLESPEC_DRAFT_INT8 is 0. Drafting only: the target's products stay bfloat16,
     so the output is the same. (The head's layer stays bfloat16: its products are too small to gain.)"""
-    return os.environ.get(DRAFT_INT8_ENV, "1").strip() != "0"
+    return envs.draft_int8()
