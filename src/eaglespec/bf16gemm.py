@@ -17,7 +17,7 @@ faster once per machine and caches the choice; $EAGLESPEC_BF16_KERNEL=dpbf16|fma
 2-vCPU Intel Emerald Rapids VM vdpbf16ps issued at half the FMA rate, and the FMA loop did 12 rows' arithmetic 1.4x
 faster (`benchmarks/microbench/kernel_variants.py`).
 
-The C++ sources are compiled on first use with torch's extension builder (g++, one translation unit a build: 20-40 s
+The C++ sources are compiled on first use with torch's extension builder (g++, one translation unit a build: 15-40 s
 on 2 cores; cached under ~/.cache/torch_extensions) and register `torch.ops.eaglespec.bf16_linear`, an operator
 torch.compile keeps as one call in its graphs (`register_fake` below gives it shapes).
 """
@@ -63,7 +63,7 @@ class Isa:
 # The bfloat16 products, the decode-step attention, the KV-cache commit of an accepted path, the verified rows'
 # argmax, the draft's top-k and greedy decoding's screened LM head, built as one extension per instruction set.
 # csrc/common/ holds every operator's host code once (argument checks, dispatch over rows and threads, registration;
-# ops.h: the schemas), as templates over the instruction set; csrc/avx512/ (AVX-512 with BF16 and VNNI) and
+# ops.h: the schemas), which calls the build's micro-kernels as isa::; csrc/avx512/ (AVX-512 with BF16 and VNNI) and
 # csrc/avx2/ (AVX2 + FMA: most x86 CPUs of the last ten years, AMD Zen 1-3 and Intel's client cores among them) hold
 # only the vector micro-kernels, and each build is one translation unit (its kernels.cpp), so torch's headers are
 # parsed once a build. The AVX2 micro-kernels work on 8-lane vectors; its bfloat16 product is the FMA loop only (no
@@ -73,7 +73,7 @@ class Isa:
 # code, hence those flags in the AVX-512 build's requirements (GCC's -mavx512f does not imply -mf16c, which the 4-bit
 # product's float16 scales need).
 COMMON_SOURCES = tuple(CSRC / "common" / f"{name}.h" for name in (
-    "host", "ops", "bf16_gemm", "tree_attention", "commit_rows", "argmax_rows", "topk_rows", "screened_argmax",
+    "shared", "ops", "bf16_gemm", "tree_attention", "commit_rows", "argmax_rows", "topk_rows", "screened_argmax",
     "q4_gemm"))
 MICRO_KERNELS = ("bf16_gemm", "tree_attention", "argmax_rows", "topk_rows", "screened_argmax")  # in each ISA's folder
 Q4_SOURCE = CSRC / "avx2" / "q4_gemm.h"
@@ -142,7 +142,7 @@ def load() -> None:
     build_isa = isa()
     if build_isa is None:
         raise EagleSpecError("eaglespec's bfloat16 kernel needs a CPU with AVX-512 BF16 or AVX2 + FMA")
-    print(f"eaglespec: loading its bfloat16 kernel ({build_isa.name}; built on first use, ~20-40 s)", file=sys.stderr,
+    print(f"eaglespec: loading its bfloat16 kernel ({build_isa.name}; built on first use, ~15-40 s)", file=sys.stderr,
           flush=True)
     name = "eaglespec_kernels" if build_isa.name == "avx512" else f"eaglespec_kernels_{build_isa.name}"
     try:

@@ -1,7 +1,6 @@
-// The kernels for CPUs with AVX2 + FMA + F16C: the whole build as one translation unit (why: common/host.h), the
-// shared host code over this folder's micro-kernels.
+// The kernels for CPUs with AVX2 + FMA + F16C as one translation unit (why: common/shared.h): this folder's
+// micro-kernels, then the host code over them.
 
-#include "../common/ops.h"
 #include "argmax_rows.h"
 #include "bf16_gemm.h"
 #include "q4_gemm.h"
@@ -9,6 +8,4 @@
 #include "topk_rows.h"
 #include "tree_attention.h"
 
-TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
-  eaglespec::register_kernels<eaglespec::Avx2>(m);
-}
+#include "../common/ops.h"  // (after the micro-kernels: it calls them)

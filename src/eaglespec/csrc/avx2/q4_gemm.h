@@ -9,128 +9,128 @@
 // acc = fma(m, X, fma(d, S_even + S_odd, acc)), then bias, rounded once to bfloat16.
 //
 // One row takes a block's 4 vectors at once, more rows fewer (their partial sums need the registers). All products
-// of a SmolLM2-135M step against the previous rebuild-and-multiply version (benchmarks/microbench/q4_ab.py, both built
-// into one process and called alternately, 2 threads, a 2-core Zen 3 VM whose speed moves by 20-40%): 1-2 rows
-// 3-15% cheaper (more when the VM is fast), 4 rows 10-14%, 6-8 rows ~10% dearer (that version rebuilt each block
-// once into L1 for 3 or more rows; here a block's scaling is per row and pass).
+// of a SmolLM2-135M step against the previous rebuild-and-multiply version (benchmarks/microbench/q4_ab.py, both
+// built into one process and called alternately, 2 threads, a 2-core Zen 3 VM whose speed moves by 20-40%): 1-2
+// rows 3-15% cheaper (more when the VM is fast), 4 rows 10-14%, 6-8 rows ~10% dearer (that version rebuilt each
+// block once into L1 for 3 or more rows; here a block's scaling is per row and pass).
 
 #pragma once
 
-#include "../common/q4_gemm.h"
+#include "../common/shared.h"
 
 namespace eaglespec::q4 {
 namespace {
+namespace avx2 {
 
-template <>
-struct Kernels<Avx2> {
-  static constexpr int64_t kAhead = 4 * kBlockBytes;  // software prefetch distance: four blocks ahead
+constexpr int64_t kAhead = 4 * kBlockBytes;     // software prefetch distance: four blocks ahead
 
-  static __m256 half8(const uint8_t* p) {  // 8 float16 -> 8 float32 (exact)
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
+inline __m256 half8(const uint8_t* p) {  // 8 float16 -> 8 float32 (exact)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
-  // R rows times the V vectors of 8 columns from vector c0 of one group, every block -> acc_out[r][8 c0 ..] (float32,
-  // row stride kCols). xs: the rows scaled by kNibbleScale, row stride ldx; xsum [R][blocks]: each block's input sum
-  // X.
-  template <int R, int V>
-  static void rows_in_registers(const float* xs, int64_t ldx, const float* xsum, int64_t blocks, const uint8_t* group,
-                                int c0, float* acc_out) {
-    __m256 acc[R][V];
+// R rows times the V vectors of 8 columns from vector c0 of one group, every block -> acc_out[r][8 c0 ..] (float32,
+// row stride kCols). xs: the rows scaled by kNibbleScale, row stride ldx; xsum [R][blocks]: each block's input sum X.
+template <int R, int V>
+void rows_in_registers(const float* xs, int64_t ldx, const float* xsum, int64_t blocks, const uint8_t* group, int c0,
+                       float* acc_out) {
+  __m256 acc[R][V];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
+  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* blk = group + b * kBlockBytes;
-      if (c0 == 0)
-        for (int line = 0; line < kBlockBytes; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + line), _MM_HINT_T0);
-      __m256 s[2][R][V];  // partial sums of even and odd k: 2 R V independent FMA chains
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = group + b * kBlockBytes;
+    if (c0 == 0)
+      for (int line = 0; line < kBlockBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + line), _MM_HINT_T0);
+    __m256 s[2][R][V];  // partial sums of even and odd k: 2 R V independent FMA chains
 #pragma GCC unroll 2
-      for (int e = 0; e < 2; ++e)
+    for (int e = 0; e < 2; ++e)
 #pragma GCC unroll 4
-        for (int r = 0; r < R; ++r)
+      for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-          for (int v = 0; v < V; ++v) s[e][r][v] = _mm256_setzero_ps();
-      const float* xb = xs + b * kBlockK;
-      const uint8_t* qs = blk + kScaleBytes;
-      for (int j = 0; j < 4; ++j) {
-        __m256i words[V];
+        for (int v = 0; v < V; ++v) s[e][r][v] = _mm256_setzero_ps();
+    const float* xb = xs + b * kBlockK;
+    const uint8_t* qs = blk + kScaleBytes;
+    for (int j = 0; j < 4; ++j) {
+      __m256i words[V];
 #pragma GCC unroll 4
-        for (int v = 0; v < V; ++v)
-          words[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (4 * j + c0 + v) * 32));
+      for (int v = 0; v < V; ++v)
+        words[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (4 * j + c0 + v) * 32));
 #pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) {  // k = 32 b + 8 j + i
-          __m256 xk[R];
+      for (int i = 0; i < 8; ++i) {  // k = 32 b + 8 j + i
+        __m256 xk[R];
 #pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) xk[r] = _mm256_broadcast_ss(xb + r * ldx + 8 * j + i);
+        for (int r = 0; r < R; ++r) xk[r] = _mm256_broadcast_ss(xb + r * ldx + 8 * j + i);
 #pragma GCC unroll 4
-          for (int v = 0; v < V; ++v) {
-            const __m256i q = i < 7 ? _mm256_and_si256(words[v], _mm256_set1_epi32(0xF << (4 * i)))
-                                    : _mm256_srli_epi32(words[v], 28);
-            const __m256 qf = _mm256_cvtepi32_ps(q);
+        for (int v = 0; v < V; ++v) {
+          const __m256i q = i < 7 ? _mm256_and_si256(words[v], _mm256_set1_epi32(0xF << (4 * i)))
+                                  : _mm256_srli_epi32(words[v], 28);
+          const __m256 qf = _mm256_cvtepi32_ps(q);
 #pragma GCC unroll 4
-            for (int r = 0; r < R; ++r) s[i & 1][r][v] = _mm256_fmadd_ps(xk[r], qf, s[i & 1][r][v]);
-          }
+          for (int r = 0; r < R; ++r) s[i & 1][r][v] = _mm256_fmadd_ps(xk[r], qf, s[i & 1][r][v]);
         }
       }
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) {
-        const __m256 d = half8(blk + 16 * (c0 + v)), m = half8(blk + 64 + 16 * (c0 + v));
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r)
-          acc[r][v] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum + r * blocks + b),
-                                      _mm256_fmadd_ps(d, _mm256_add_ps(s[0][r][v], s[1][r][v]), acc[r][v]));
-      }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      const __m256 d = half8(blk + 16 * (c0 + v)), m = half8(blk + 64 + 16 * (c0 + v));
 #pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc_out + r * kCols + 8 * (c0 + v), acc[r][v]);
-  }
-
-  // All 32 columns of a group for R <= kPassRows rows: one row reads a block's 4 vectors at once; more rows take
-  // narrower passes (their partial sums need the registers; the compiler spills the accumulators, read once a block).
-  template <int R>
-  static void group_rows(const float* xs, int64_t ldx, const float* xsum, int64_t blocks, const uint8_t* group,
-                         float* acc) {
-    constexpr int V = R == 1 ? 4 : R == 2 ? 2 : 1;
-    for (int c0 = 0; c0 < 4; c0 += V) rows_in_registers<R, V>(xs, ldx, xsum, blocks, group, c0, acc);
-  }
-
-  static void group_rows(int64_t rows, const float* xs, int64_t ldx, const float* xsum, int64_t blocks,
-                         const uint8_t* group, float* acc) {
-    switch (rows) {
-      case 1: return group_rows<1>(xs, ldx, xsum, blocks, group, acc);
-      case 2: return group_rows<2>(xs, ldx, xsum, blocks, group, acc);
-      case 3: return group_rows<3>(xs, ldx, xsum, blocks, group, acc);
-      case 4: return group_rows<4>(xs, ldx, xsum, blocks, group, acc);
-      default: TORCH_CHECK(false, "q4_linear: ", rows, " rows in registers");
+      for (int r = 0; r < R; ++r)
+        acc[r][v] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum + r * blocks + b),
+                                    _mm256_fmadd_ps(d, _mm256_add_ps(s[0][r][v], s[1][r][v]), acc[r][v]));
     }
   }
-
-  // One group-block's q as float32 [32 k][32 columns] (k-major) into qf (for q4_unpack).
-  static void unpack_block(const uint8_t* blk, float* qf) {
-    const __m256i low4 = _mm256_set1_epi32(0xF);
-    const uint8_t* qs = blk + kScaleBytes;
-    for (int j = 0; j < 4; ++j)
 #pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) {
-        __m256i word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (4 * j + v) * 32));
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i, word = _mm256_srli_epi32(word, 4))
-          _mm256_store_ps(qf + (8 * j + i) * kCols + 8 * v, _mm256_cvtepi32_ps(_mm256_and_si256(word, low4)));
-      }
-  }
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc_out + r * kCols + 8 * (c0 + v), acc[r][v]);
+}
 
-  // One group-block's d and m of its 32 columns as float32 (32-byte aligned outputs).
-  static void block_scales(const uint8_t* blk, float* d, float* m) {
+// All 32 columns of a group for R <= kPassRows rows: one row reads a block's 4 vectors at once; more rows take
+// narrower passes (their partial sums need the registers; the compiler spills the accumulators, read once a block).
+template <int R>
+void group_rows(const float* xs, int64_t ldx, const float* xsum, int64_t blocks, const uint8_t* group, float* acc) {
+  constexpr int V = R == 1 ? 4 : R == 2 ? 2 : 1;
+  for (int c0 = 0; c0 < 4; c0 += V) rows_in_registers<R, V>(xs, ldx, xsum, blocks, group, c0, acc);
+}
+
+void group_rows(int64_t rows, const float* xs, int64_t ldx, const float* xsum, int64_t blocks, const uint8_t* group,
+                float* acc) {
+  switch (rows) {
+    case 1: return group_rows<1>(xs, ldx, xsum, blocks, group, acc);
+    case 2: return group_rows<2>(xs, ldx, xsum, blocks, group, acc);
+    case 3: return group_rows<3>(xs, ldx, xsum, blocks, group, acc);
+    case 4: return group_rows<4>(xs, ldx, xsum, blocks, group, acc);
+    default: TORCH_CHECK(false, "q4_linear: ", rows, " rows in registers");
+  }
+}
+
+// One group-block's q as float32 [32 k][32 columns] (k-major) into qf (for q4_unpack).
+void unpack_block(const uint8_t* blk, float* qf) {
+  const __m256i low4 = _mm256_set1_epi32(0xF);
+  const uint8_t* qs = blk + kScaleBytes;
+  for (int j = 0; j < 4; ++j)
+#pragma GCC unroll 4
     for (int v = 0; v < 4; ++v) {
-      _mm256_store_ps(d + 8 * v, half8(blk + 16 * v));
-      _mm256_store_ps(m + 8 * v, half8(blk + 64 + 16 * v));
+      __m256i word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (4 * j + v) * 32));
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i, word = _mm256_srli_epi32(word, 4))
+        _mm256_store_ps(qf + (8 * j + i) * kCols + 8 * v, _mm256_cvtepi32_ps(_mm256_and_si256(word, low4)));
     }
+}
+
+// One group-block's d and m of its 32 columns as float32 (32-byte aligned outputs; for q4_unpack).
+inline void block_scales(const uint8_t* blk, float* d, float* m) {
+  for (int v = 0; v < 4; ++v) {
+    _mm256_store_ps(d + 8 * v, half8(blk + 16 * v));
+    _mm256_store_ps(m + 8 * v, half8(blk + 64 + 16 * v));
   }
-};
+}
+
+}  // namespace avx2
+
+namespace isa = avx2;
 
 }  // namespace
 }  // namespace eaglespec::q4

@@ -3,30 +3,16 @@
 // torch.argmax over a [6, 49152] bfloat16 block costs ~0.6 ms on 2 cores (~0.2 ms for one row), more than the
 // decode-step attention of a 30-layer model; here it is a few microseconds a row. Same answer as torch.argmax: the
 // first index of the maximum, and the first NaN if a row has one (torch counts NaN as the maximum).
+//
+// The micro-kernel (isa::, included before this): argmax_row(row, v) for bfloat16 (uint16_t bits) and float32 rows.
 
 #pragma once
 
-#include "host.h"
+#include "shared.h"
 
 namespace eaglespec::argmax {
 namespace {
 
-// An instruction set's micro-kernel: argmax_row(row, v), for bfloat16 (as uint16_t bits) and float32 rows.
-template <class Isa>
-struct Kernels;
-
-inline float value_at(const uint16_t* row, int64_t i) { return bf16_to_float(row[i]); }
-inline float value_at(const float* row, int64_t i) { return row[i]; }
-
-// The first NaN of a row the vector pass found one in.
-template <typename T>
-int64_t first_nan(const T* row, int64_t v) {
-  for (int64_t i = 0; i < v; ++i)
-    if (std::isnan(value_at(row, i))) return i;
-  return -1;
-}
-
-template <class Isa>
 at::Tensor argmax_rows(const at::Tensor& logits_in) {
   TORCH_CHECK(logits_in.dim() == 2 && logits_in.device().is_cpu() &&
                   (logits_in.scalar_type() == at::kBFloat16 || logits_in.scalar_type() == at::kFloat),
@@ -38,9 +24,9 @@ at::Tensor argmax_rows(const at::Tensor& logits_in) {
   int64_t* op = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r) {
     if (logits.scalar_type() == at::kBFloat16)
-      op[r] = Kernels<Isa>::argmax_row(reinterpret_cast<const uint16_t*>(logits.data_ptr()) + r * v, v);
+      op[r] = isa::argmax_row(reinterpret_cast<const uint16_t*>(logits.data_ptr()) + r * v, v);
     else
-      op[r] = Kernels<Isa>::argmax_row(logits.data_ptr<float>() + r * v, v);
+      op[r] = isa::argmax_row(logits.data_ptr<float>() + r * v, v);
   }
   return out;
 }

@@ -3,8 +3,8 @@
 // Decode steps and draft-tree verification multiply 1-16 rows by every weight matrix of the model, so they are
 // bound by reading the weights (and, from ~8 rows on 2 cores, by arithmetic). The weight is packed once
 // (`bf16_pack`) into groups of 64 output columns, k-pairs innermost: [N/64][K/2][64][2]. Each build's micro-kernels
-// (Kernels<Isa>: avx512/bf16_gemm.h, avx2/bf16_gemm.h) multiply the rows of a call by one group from register tiles,
-// running several tiles over each group's weights block by block, so the weights are read from memory once per call.
+// (avx512/bf16_gemm.h, avx2/bf16_gemm.h) multiply the rows of a call by one group from register tiles, running
+// several tiles over each group's weights block by block, so the weights are read from memory once per call.
 //
 // Two multiply loops (`variant`): 0, vdpbf16ps (AVX-512 BF16 only), and 1, float32 FMAs on weights widened from
 // bfloat16, whose every output element is the ordered sum ((acc + x[2p] w[2p]) + x[2p+1] w[2p+1]) over k-pairs p,
@@ -12,25 +12,21 @@
 // machine. Either way every output element is the same ordered sum whatever the number of rows in the call and the
 // row's place in it: a row gets the same bits in a one-token step as in a verified draft tree (row-invariant).
 // Threads: at::parallel_for over column groups (torch's intra-op thread pool, i.e. --threads).
+//
+// The micro-kernels (isa::, included before this: avx512/bf16_gemm.h, avx2/bf16_gemm.h): kDpbf16 (whether the
+// vdpbf16ps loop exists), kTileRows (rows per register tile), Scratch (a thread's buffers: acc, float32 [kMaxM][64],
+// and whatever its loops need), multiply_group (rows [0, m) of x times one packed group -> acc) and store_rows (acc +
+// bias, rounded once to bfloat16 -> y).
 
 #pragma once
 
-#include "host.h"
+#include "shared.h"
 
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/zeros.h>
 
 namespace eaglespec::bf16 {
 namespace {
-
-constexpr int64_t kGroup = 64;  // output columns per packed group
-constexpr int64_t kMaxM = 64;   // rows per pass over the weights; longer inputs (prefills) take several
-constexpr int64_t kBlock = 32;  // k-pairs per block when several tiles share a group's weights (8 KB)
-constexpr int64_t kAhead = kBlock * kGroup * 2;  // software prefetch distance in weight elements: one block ahead
-// The FMA loops also prefetch into L2 four blocks (32 KB) ahead: on the Intel VM where the AVX-512 build chooses its
-// FMA loop, all products of a step took 10-14% less for 1-16 rows than with the near prefetch alone (kernel_ab.py
-// --variant 1).
-constexpr int64_t kFarAhead = 4 * kAhead;
 
 // [N, K] bfloat16 -> [ceil(N/64), ceil(K/2), 64, 2] bfloat16, zero padded: for a k-pair, the 64 columns of a group
 // with their two k-values side by side (one 32-bit lane each).
@@ -43,38 +39,18 @@ at::Tensor bf16_pack(const at::Tensor& weight) {
   return padded.view({n_pad / kGroup, kGroup, k_pad / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// The rows of a call split into near-equal tiles of at most `most` rows (8 rows in tiles of 6: 4 + 4, not 6 + 2).
-struct Tiles {
-  int64_t count;
-  int64_t rows[kMaxM];
-  Tiles(int64_t m, int64_t most) : count((m + most - 1) / most) {
-    for (int64_t t = 0, row = 0; t < count; ++t) {
-      rows[t] = (m - row) / (count - t);
-      row += rows[t];
-    }
-  }
-};
-
-// An instruction set's micro-kernels: kDpbf16 (whether it has the vdpbf16ps loop), kTileRows (rows per register
-// tile), Scratch (a thread's buffers: acc, float32 [kMaxM][64], and whatever its loops need), multiply_group (rows
-// [0, m) of x times one packed group -> acc) and store_rows (acc + bias, rounded once to bfloat16 -> y).
-template <class Isa>
-struct Kernels;
-
 // Rows [0, m) of x, m <= kMaxM, times every packed group -> y [m, n]. xp: bfloat16 rows (the vdpbf16ps loop), xf:
 // the same rows as float32 for the FMA loop (variant 1), else null.
-template <class Isa>
 void linear_rows(const uint16_t* xp, const float* xf, int64_t ldx, int64_t m, const uint16_t* wp, int64_t groups,
                  int64_t k_pairs, int64_t n, const float* bp, uint16_t* yp) {
-  using K = Kernels<Isa>;
-  const Tiles tiles(m, K::kTileRows);
+  const Tiles tiles(m, isa::kTileRows);
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    typename K::Scratch scratch;
+    isa::Scratch scratch;
     for (int64_t g = begin; g < end; ++g) {
       const uint16_t* group = wp + g * k_pairs * kGroup * 2;
       const int64_t col = g * kGroup, columns = std::min(kGroup, n - col);
-      K::multiply_group(tiles, xp, xf, ldx, m, group, k_pairs, scratch);
-      K::store_rows(m, scratch.acc, bp ? bp + col : nullptr, yp + col, n, columns);
+      isa::multiply_group(tiles, xp, xf, ldx, m, group, k_pairs, scratch);
+      isa::store_rows(m, scratch.acc, bp ? bp + col : nullptr, yp + col, n, columns);
     }
   });
 }
@@ -82,12 +58,10 @@ void linear_rows(const uint16_t* xp, const float* xf, int64_t ldx, int64_t m, co
 // x [M, K] bfloat16, packed from bf16_pack of a [n, K] weight, bias [n] or none -> [M, n] bfloat16. variant: 0
 // multiplies with vdpbf16ps, 1 with float32 FMAs (bf16gemm.variant() picks the faster on the machine; the AVX2
 // build has only the FMA loop).
-template <class Isa>
 at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
                        const std::optional<at::Tensor>& bias_in, int64_t variant) {
   TORCH_CHECK(variant == 0 || variant == 1, "bf16_linear: variant must be 0 (vdpbf16ps) or 1 (float32 FMA)");
-  TORCH_CHECK(variant == 1 || Kernels<Isa>::kDpbf16, "bf16_linear: the ", Isa::kName,
-              " build has only the float32 FMA loop (variant 1)");
+  TORCH_CHECK(variant == 1 || isa::kDpbf16, "bf16_linear: the AVX2 build has only the float32 FMA loop (variant 1)");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "bf16_linear: x must be [M, K] bfloat16");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kGroup && packed.size(3) == 2 &&
                   packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
@@ -111,7 +85,7 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   for (int64_t row = 0; row < m; row += kMaxM) {  // each row's sums are independent of the chunk it is in
     const int64_t rows = std::min(kMaxM, m - row);
     if (x_float) widen_bf16(xp + row * ldx, rows * ldx, x_float.get());
-    linear_rows<Isa>(xp + row * ldx, x_float.get(), ldx, rows, wp, groups, k_pairs, n, bp, yp + row * n);
+    linear_rows(xp + row * ldx, x_float.get(), ldx, rows, wp, groups, k_pairs, n, bp, yp + row * n);
   }
   return y;
 }

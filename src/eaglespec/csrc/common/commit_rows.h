@@ -13,7 +13,7 @@
 
 #pragma once
 
-#include "host.h"
+#include "shared.h"
 
 namespace eaglespec::commit {
 namespace {

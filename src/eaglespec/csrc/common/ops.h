@@ -3,16 +3,16 @@
 // The kernels come in one build per instruction set (eaglespec.bf16gemm.ISAS): AVX-512 (avx512/kernels.cpp) and
 // AVX2 + FMA (avx2/kernels.cpp). Both define these schemas and register the same host code over their own
 // micro-kernels, so Python code and compiled graphs call the same operators whichever build the CPU loaded, and both
-// read the same packed layouts.
+// read the same packed layouts. Included after the build's micro-kernels (the host code calls them as isa::).
 
 #pragma once
 
 #include "argmax_rows.h"
 #include "bf16_gemm.h"
 #include "commit_rows.h"
-#include "host.h"
 #include "q4_gemm.h"
 #include "screened_argmax.h"
+#include "shared.h"
 #include "topk_rows.h"
 #include "tree_attention.h"
 
@@ -31,24 +31,15 @@ TORCH_LIBRARY(eaglespec, m) {
   m.def("q4_unpack(Tensor packed, int n, int k) -> Tensor");
 }
 
-namespace eaglespec {
-namespace {
-
-// Every operator's CPU implementation over Isa's micro-kernels. The 4-bit product has AVX2 micro-kernels only, which
-// every AVX-512 CPU runs too.
-template <class Isa>
-void register_kernels(torch::Library& m) {
-  m.impl("bf16_pack", bf16::bf16_pack);
-  m.impl("bf16_linear", bf16::bf16_linear<Isa>);
-  m.impl("tree_attention", attention::tree_attention<Isa>);
-  m.impl("commit_rows", commit::commit_rows);
-  m.impl("argmax_rows", argmax::argmax_rows<Isa>);
-  m.impl("topk_rows", topk::topk_rows<Isa>);
-  m.impl("screened_argmax", screen::screened_argmax<Isa>);
-  m.impl("int8_linear", screen::int8_linear<Isa>);
-  m.impl("q4_linear", q4::q4_linear<Avx2>);
-  m.impl("q4_unpack", q4::q4_unpack<Avx2>);
+TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
+  m.impl("bf16_pack", eaglespec::bf16::bf16_pack);
+  m.impl("bf16_linear", eaglespec::bf16::bf16_linear);
+  m.impl("tree_attention", eaglespec::attention::tree_attention);
+  m.impl("commit_rows", eaglespec::commit::commit_rows);
+  m.impl("argmax_rows", eaglespec::argmax::argmax_rows);
+  m.impl("topk_rows", eaglespec::topk::topk_rows);
+  m.impl("screened_argmax", eaglespec::screen::screened_argmax);
+  m.impl("int8_linear", eaglespec::screen::int8_linear);
+  m.impl("q4_linear", eaglespec::q4::q4_linear);
+  m.impl("q4_unpack", eaglespec::q4::q4_unpack);
 }
-
-}  // namespace
-}  // namespace eaglespec

@@ -12,34 +12,26 @@
 // which keeps speculative decoding exactly plain decoding. The result is the float32 product of the exact 4-bit
 // weights to float32 rounding (not bit for bit the bfloat16 kernel's).
 //
-// Packed layout (q4_pack in eaglespec/q4.py): [N/32 groups][K/32 blocks][640 bytes]; a group-block holds d of its
-// 32 columns (float16, 64 bytes), then m (64 bytes), then the q as 4 octets x 4 vectors x 8 columns of uint32 (512
-// bytes), where uint32 lane c of vector v of octet j holds q[8 v + c][32 b + 8 j + i] in bits [4 i, 4 i + 4).
+// The packed layout (q4_pack in eaglespec/q4.py): common/shared.h, beside its constants.
 //
 // Rows go through in passes of up to 4 (6 rows = 4 + 2), the later passes reading the group from L1/L2.
 // Threads: at::parallel_for over column groups (torch's intra-op pool).
+//
+// The micro-kernels (isa::, included before this): group_rows (rows <= kPassRows times all 32 columns of a group ->
+// acc), unpack_block (a group-block's q as float32) and block_scales (its d and m as float32).
 
 #pragma once
 
-#include "host.h"
+#include "shared.h"
 
 namespace eaglespec::q4 {
 namespace {
 
-constexpr int64_t kCols = 32;                   // output columns per group: 4 vectors of 8 float32 lanes
-constexpr int64_t kBlockK = 32;                 // k per block (one d and m per column)
-constexpr int64_t kBlockBytes = 640;            // 64 d + 64 m + 512 q
-constexpr int64_t kScaleBytes = 128;
 constexpr int64_t kPassRows = 4;                // rows per pass over a group
 constexpr int64_t kMaxM = 64;                   // rows per pass over the weights; longer inputs take several
 // x[k] 16^-i for nibble i = k mod 8 (the micro-kernels mask nibble i in place, which leaves q 16^i); the last
 // nibble is shifted down, so 1
 constexpr float kNibbleScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
-
-// The micro-kernels: group_rows (rows <= kPassRows times all 32 columns of a group -> acc), unpack_block (a
-// group-block's q as float32) and block_scales (its d and m as float32).
-template <class Isa>
-struct Kernels;
 
 // float32 -> bfloat16 bits, rounded to nearest even; NaN stays a quiet NaN (avx2/bf16_gemm.h's rounding).
 inline uint16_t to_bf16(float value) {
@@ -51,7 +43,6 @@ inline uint16_t to_bf16(float value) {
 
 // Rows [0, m) (m <= kMaxM) times every group -> y [m, n] bfloat16. xs: the rows scaled by kNibbleScale (row stride
 // ldx); xsum [m][blocks]: their block sums.
-template <class Isa>
 void linear_rows(const float* xs, const float* xsum, int64_t ldx, int64_t m, const uint8_t* wp,
                  int64_t groups, int64_t blocks, int64_t n, const float* bp, uint16_t* yp) {
   at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
@@ -59,8 +50,8 @@ void linear_rows(const float* xs, const float* xsum, int64_t ldx, int64_t m, con
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* group = wp + g * blocks * kBlockBytes;
       for (int64_t row = 0; row < m; row += kPassRows)  // 4-row passes are the cheapest per row: 6 rows = 4 + 2
-        Kernels<Isa>::group_rows(std::min(kPassRows, m - row), xs + row * ldx, ldx, xsum + row * blocks, blocks,
-                                 group, acc + row * kCols);
+        isa::group_rows(std::min(kPassRows, m - row), xs + row * ldx, ldx, xsum + row * blocks, blocks, group,
+                        acc + row * kCols);
       const int64_t col = g * kCols, columns = std::min(kCols, n - col);
       for (int64_t r = 0; r < m; ++r)
         for (int64_t c = 0; c < columns; ++c)
@@ -78,7 +69,6 @@ void check_packed(const at::Tensor& packed, int64_t n, int64_t k) {
 }
 
 // x [M, K] bfloat16, packed [ceil(n/32), K/32, 640] uint8, bias [n] or none -> [M, n] bfloat16.
-template <class Isa>
 at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
                      const std::optional<at::Tensor>& bias_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "q4_linear: x must be [M, K] bfloat16");
@@ -102,15 +92,14 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n
       for (int64_t kk = 0; kk < kBlockK; ++kk) sum += xf[i * kBlockK + kk];
       xsum[i] = sum;
     }
-    linear_rows<Isa>(xs.get(), xsum.get(), k, rows, packed.data_ptr<uint8_t>(), packed.size(0), blocks, n, bp,
-                     yp + row * n);
+    linear_rows(xs.get(), xsum.get(), k, rows, packed.data_ptr<uint8_t>(), packed.size(0), blocks, n, bp,
+                yp + row * n);
   }
   return y;
 }
 
 // The float32 weights [n, K] the packing holds, fmaf(d, q, m) (gguf's float32 dequantization): to check the
 // packing against it.
-template <class Isa>
 at::Tensor q4_unpack(const at::Tensor& packed, int64_t n, int64_t k) {
   check_packed(packed, n, k);
   const int64_t groups = packed.size(0), blocks = packed.size(1);
@@ -121,9 +110,9 @@ at::Tensor q4_unpack(const at::Tensor& packed, int64_t n, int64_t k) {
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* blk = wp + (g * blocks + b) * kBlockBytes;
-      Kernels<Isa>::unpack_block(blk, qf);
+      isa::unpack_block(blk, qf);
       alignas(32) float d[kCols], m[kCols];
-      Kernels<Isa>::block_scales(blk, d, m);
+      isa::block_scales(blk, d, m);
       for (int64_t kk = 0; kk < kBlockK; ++kk)
         for (int64_t c = 0; c < kCols; ++c)
           out[(g * kCols + c) * k + b * kBlockK + kk] = std::fmaf(d[c], qf[kk * kCols + c], m[c]);

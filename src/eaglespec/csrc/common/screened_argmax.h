@@ -7,7 +7,7 @@
 // <= s_n / 2). An input row x is quantized per block b of 32 channels (sx_b = max_{k in b} |x_k| / 127,
 // |x_k - sx_b xq_k| <= sx_b / 2: an outlier channel widens only its own block) and the screen is an exact integer
 // dot product per block (AVX-512 VNNI, 4 bytes a lane per instruction, or AVX2's vpmaddubsw: 28 MB read instead of
-// 57; Kernels<Isa>: avx512/screened_argmax.h, avx2/screened_argmax.h, the same integers, hence the same bits):
+// 57; avx512/screened_argmax.h, avx2/screened_argmax.h: the same integers, hence the same bits):
 //   a_n = s_n sum_b sx_b sum_{k in b} xq_k q_nk
 //   E_n = sum_k x_k w_nk           (float32, in one fixed order, from the bfloat16 row itself)
 //   E_n - a_n = sum_k x_k (w_nk - s_n q_nk) + s_n sum_k q_nk (x_k - sx_b xq_k) + roundings, so
@@ -26,35 +26,22 @@
 //
 // int8_linear runs the same integer products without the bound: approximate logits a_n for the draft heads' LM head
 // (bf16gemm.Int8Linear), where an error can only cost acceptance.
+//
+// The micro-kernels (isa::, included before this): exact_dot (E_n for one input row and one bfloat16 weight row: 16
+// lanes of ordered FMAs, lane l over k = l mod 16, then one fixed horizontal sum), screen_groups<R, BOUND> (the
+// screen's hi and lo over a range of packed groups) and candidates (the columns whose a + e reach T, ascending).
 
 #pragma once
 
-#include "host.h"
+#include "shared.h"
 
 namespace eaglespec::screen {
 namespace {
 
-constexpr int64_t kLanes = 16;  // output columns per packed group
-constexpr int64_t kRows = 8;    // input rows per screen call (scratch rows)
-constexpr int64_t kBlock = 32;  // input channels per quantization block of x
-constexpr int64_t kSteps = kBlock / 4;  // 64-byte units (16 columns x 4 channels) per block
+constexpr int64_t kRows = 8;  // input rows per screen call (scratch rows)
 constexpr int64_t kSerialCandidates = 256;  // exact scores one thread computes before the work is shared
-constexpr int64_t kAhead = 8 * kBlock * kLanes;  // software prefetch distance in weight bytes: 8 blocks
 
-// One input row, quantized: xq [K32] signed bytes, the scale of each block and the sum of its xq.
-struct Quantized {
-  const int8_t* xq;
-  const float* sx;      // [blocks]
-  const int32_t* xsum;  // [blocks]: sum_{k in b} xq_k (AVX-512: the weights are stored as q + 128)
-};
-
-// An instruction set's micro-kernels: exact_dot (E_n for one input row and one bfloat16 weight row: 16 lanes of
-// ordered FMAs, lane l over k = l mod 16, then one fixed horizontal sum), screen_groups<R, BOUND> (the screen's
-// hi and lo over a range of packed groups) and candidates (the columns whose a + e reach T, ascending).
-template <class Isa>
-struct Kernels;
-
-template <class Isa, int R, bool BOUND = true>
+template <int R, bool BOUND = true>
 void screen(const Quantized* x, int64_t blocks, const uint8_t* packed, const float* scale, const float* b1,
             const float* b2, const float* l1, const float* sxsum, int64_t groups, int64_t n, int64_t n_pad, float* hi,
             float* lo_out) {
@@ -62,8 +49,7 @@ void screen(const Quantized* x, int64_t blocks, const uint8_t* packed, const flo
   std::vector<float> lo(static_cast<size_t>(threads) * R, -std::numeric_limits<float>::infinity());
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {  // (a few groups a task: small heads too)
     float* mine = lo.data() + static_cast<size_t>(at::get_thread_num()) * R;
-    Kernels<Isa>::template screen_groups<R, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, g0, g1, n, n_pad, hi,
-                                                   mine);
+    isa::screen_groups<R, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, g0, g1, n, n_pad, hi, mine);
   });
   if constexpr (!BOUND) return;
   for (int r = 0; r < R; ++r) {
@@ -74,19 +60,19 @@ void screen(const Quantized* x, int64_t blocks, const uint8_t* packed, const flo
 }
 
 // `screen` for 1-8 rows (a compile-time count).
-template <class Isa, bool BOUND>
+template <bool BOUND>
 void screen_rows(int rows, const Quantized* x, int64_t blocks, const uint8_t* packed, const float* scale,
                  const float* b1, const float* b2, const float* l1, const float* sxsum, int64_t groups, int64_t n,
                  int64_t n_pad, float* hi, float* lo) {
   switch (rows) {
-    case 1: return screen<Isa, 1, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    case 2: return screen<Isa, 2, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    case 3: return screen<Isa, 3, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    case 4: return screen<Isa, 4, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    case 5: return screen<Isa, 5, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    case 6: return screen<Isa, 6, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    case 7: return screen<Isa, 7, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    default: return screen<Isa, 8, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 1: return screen<1, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 2: return screen<2, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 3: return screen<3, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 4: return screen<4, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 5: return screen<5, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 6: return screen<6, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    case 7: return screen<7, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+    default: return screen<8, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
   }
 }
 
@@ -143,7 +129,6 @@ bool packed_fits(const at::Tensor& packed, int64_t blocks, int64_t n) {
          packed.size(2) == kLanes && packed.size(3) == 4 && packed.size(0) * kLanes >= n && packed.is_contiguous();
 }
 
-template <class Isa>
 at::Tensor screened_argmax(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
                            const at::Tensor& b1, const at::Tensor& b2, const at::Tensor& weight) {
   TORCH_CHECK(x_in.dim() == 2, "screened_argmax: x must be [M, K]");
@@ -182,18 +167,18 @@ at::Tensor screened_argmax(const at::Tensor& x_in, const at::Tensor& packed, con
       for (int r = 0; r < rows; ++r) op[r0 + r] = -1;
       continue;
     }
-    screen_rows<Isa, true>(rows, q, blocks, pp, sp, b1p, b2p, l1, sxsum, groups, n, n_pad, hi, lo);
+    screen_rows<true>(rows, q, blocks, pp, sp, b1p, b2p, l1, sxsum, groups, n, n_pad, hi, lo);
     for (int r = 0; r < rows; ++r) {
       // candidates: a + e >= T, in ascending n; then the first largest E wins
       candidates.clear();
-      Kernels<Isa>::candidates(hi + r * n_pad, n, lo[r], candidates);
+      isa::candidates(hi + r * n_pad, n, lo[r], candidates);
       const float* row = xp + (r0 + r) * k;
       const int64_t count = static_cast<int64_t>(candidates.size());
       exact.resize(candidates.size());
       // A handful on real hidden states; many where the logits are flat (e.g. random tokens): then the threads
       // share them (each E is the same whichever thread computes it)
       at::parallel_for(0, count, kSerialCandidates, [&](int64_t c0, int64_t c1) {
-        for (int64_t c = c0; c < c1; ++c) exact[c] = Kernels<Isa>::exact_dot(row, w + candidates[c] * k, k);
+        for (int64_t c = c0; c < c1; ++c) exact[c] = isa::exact_dot(row, w + candidates[c] * k, k);
       });
       float best = -std::numeric_limits<float>::infinity();
       int64_t best_n = -1;
@@ -211,7 +196,6 @@ at::Tensor screened_argmax(const at::Tensor& x_in, const at::Tensor& packed, con
 // x [M, K], packed / scale as for screened_argmax, bias [n] float32 or none -> [M, n] float32: the int8 copy's
 // products a_n (+ bias), each input row quantized per block of 32 channels. Approximate (within the bound above):
 // the draft's logits (bf16gemm.Int8Linear), never the target's. A row that is not finite gives NaN.
-template <class Isa>
 at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale, int64_t n,
                        const std::optional<at::Tensor>& bias_in) {
   TORCH_CHECK(x_in.dim() == 2, "int8_linear: x must be [M, K]");
@@ -242,7 +226,7 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
       if (!finite[r]) std::fill(sx + r * blocks, sx + (r + 1) * blocks, 0.0f);  // NaN after the call
     }
     float* out = yp + r0 * n;
-    screen_rows<Isa, false>(rows, q, blocks, pp, sp, bp, nullptr, nullptr, nullptr, groups, n, n_pad, out, nullptr);
+    screen_rows<false>(rows, q, blocks, pp, sp, bp, nullptr, nullptr, nullptr, groups, n, n_pad, out, nullptr);
     for (int r = 0; r < rows; ++r)
       if (!finite[r]) std::fill(out + r * n, out + (r + 1) * n, std::numeric_limits<float>::quiet_NaN());
   }

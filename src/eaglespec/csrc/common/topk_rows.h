@@ -3,16 +3,17 @@
 //
 // torch.topk on one row of 8192 float32 takes ~24 us on this project's CPUs (one thread, every element through a
 // selection), and a draft round makes it 2-3 times. Here one pass keeps the best k seen so far in a small sorted
-// list and compares 16 lanes at a time against the k-th best (Kernels<Isa>: avx512/topk_rows.h, avx2/topk_rows.h):
-// after the first few hundred elements almost no lane passes, so a row costs about one or two vector compares per 16
-// elements.
+// list and compares 16 lanes at a time against the k-th best (avx512/topk_rows.h, avx2/topk_rows.h): after the
+// first few hundred elements almost no lane passes, so a row costs about one or two vector compares per 16 elements.
 //
 // Order: values descending; equal values by ascending index. A row with a NaN falls back to at::topk for the
 // whole call (torch counts NaN as the largest value).
+//
+// The micro-kernel (isa::, included before this): topk_row(row, v, k, values, indices), false if the row has a NaN.
 
 #pragma once
 
-#include "host.h"
+#include "shared.h"
 
 #include <ATen/ops/topk.h>
 
@@ -21,26 +22,6 @@ namespace {
 
 constexpr int64_t kMaxK = 64;
 
-// An instruction set's micro-kernel: topk_row(row, v, k, values, indices), false if the row has a NaN.
-template <class Isa>
-struct Kernels;
-
-// Insert (value, index) into the sorted best list of `count` entries (capacity k); index grows along the row, so
-// an equal value goes after the entries already there.
-inline void insert(float value, int64_t index, float* values, int64_t* indices, int64_t& count, int64_t k) {
-  if (count == k && !(value > values[k - 1])) return;
-  int64_t at = count < k ? count : k - 1;  // the slot freed (the end, or the current k-th best)
-  while (at > 0 && values[at - 1] < value) {
-    values[at] = values[at - 1];
-    indices[at] = indices[at - 1];
-    --at;
-  }
-  values[at] = value;
-  indices[at] = index;
-  if (count < k) ++count;
-}
-
-template <class Isa>
 std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& scores_in, int64_t k) {
   TORCH_CHECK(scores_in.dim() == 2 && scores_in.device().is_cpu() && scores_in.scalar_type() == at::kFloat,
               "topk_rows: scores must be [N, V] float32 on the CPU");
@@ -53,7 +34,7 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& scores_in, int64_
   float* vp = values.data_ptr<float>();
   int64_t* ip = indices.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r) {
-    if (!Kernels<Isa>::topk_row(sp + r * v, v, k, vp + r * k, ip + r * k)) {
+    if (!isa::topk_row(sp + r * v, v, k, vp + r * k, ip + r * k)) {
       return at::topk(scores, k, -1);
     }
   }

@@ -10,16 +10,20 @@
 //
 // Keys come transposed ([Hkv, hd, keys]: element d of consecutive keys is one vector), so a vector of keys' scores
 // is plain FMAs over d, with no horizontal sums; up to 4 pairs of a key/value head share each key load.
-// The arithmetic, per pair, the same in both builds (Kernels<Isa>: avx512/tree_attention.h, avx2/tree_attention.h):
+// The arithmetic, per pair, the same in both builds (avx512/tree_attention.h, avx2/tree_attention.h):
 //   score_j = (sequential FMAs over d = 0 .. hd-1, from 0) * scale, for every key j;
 //   m = max_j score_j;  p_j = e^(score_j - m);
 //   sum = lane l of a 16-lane vector adds p_j for logical j = l mod 16 in order, then one fixed horizontal sum;
 //   out[d] = (sequential FMAs over logical j of p_j v_j[d], from 0) * (1 / sum).
 // 30 layers of SmolLM2-135M's shapes, 2 cores: benchmarks/microbench/attention_cost.py.
+//
+// The micro-kernels (isa::, included before this): kLanes (float32 lanes of a vector), score_keys<P> (raw scores of P
+// pairs against every key), softmax (one pair's scores in logical order -> p_j, returns 1 / sum) and weigh_values<P>
+// (the outputs of P pairs from their p_j).
 
 #pragma once
 
-#include "host.h"
+#include "shared.h"
 
 namespace eaglespec::attention {
 namespace {
@@ -27,13 +31,7 @@ namespace {
 constexpr int64_t kHeadDimStep = 16;  // head_dim: a multiple of 16 (the AVX-512 build's vector), <= 256
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxPairs = 4;      // (head, row) pairs sharing each key and value load
-
-// An instruction set's micro-kernels: kLanes (float32 lanes of a vector), kScratchPad (floats a pair's score rows
-// need past their keys: whole vectors are stored and loaded there), score_keys<P> (raw scores of P pairs against
-// every key), softmax (one pair's scores in logical order -> p_j, returns 1 / sum) and weigh_values<P> (the outputs
-// of P pairs from their p_j).
-template <class Isa>
-struct Kernels;
+constexpr int64_t kScorePad = 16;     // room past a pair's scores: whole vectors (AVX2: two) are stored and loaded
 
 // The step's queries [H, n, hd]: any head and row strides (the graph's RoPE output is often a view of [n, H, hd]).
 struct Queries {
@@ -43,12 +41,11 @@ struct Queries {
 };
 
 // One task: `count` pairs (h, r) of one key/value head.
-template <class Isa, int P, typename T>
+template <int P, typename T>
 void attend_pairs(const int64_t* hs, const int64_t* rs, const Queries& q, int64_t n, int64_t hd, const T* kt,
                   int64_t kt_row, const T* v, int64_t v_row, int64_t c, const std::vector<std::vector<int64_t>>& paths,
                   float scale, std::vector<float>& scratch, float* out) {
-  using K = Kernels<Isa>;
-  const int64_t total = c + n, stride = total + K::kScratchPad;
+  const int64_t total = c + n, stride = total + kScorePad;
   scratch.resize(P * stride * 2);
   float* raw = scratch.data();            // [P][stride]: scores of every column
   float* logical = raw + P * stride;      // [P][stride]: the pair's visible keys in logical order
@@ -62,7 +59,7 @@ void attend_pairs(const int64_t* hs, const int64_t* rs, const Queries& q, int64_
     qs[p] = q.at(hs[p], rs[p]);
     outs[p] = out + (hs[p] * n + rs[p]) * hd;
   }
-  K::template score_keys<P>(qs, kt, kt_row, hd, total, raw, stride);
+  isa::score_keys<P>(qs, kt, kt_row, hd, total, raw, stride);
   for (int p = 0; p < P; ++p) {
     const std::vector<int64_t>& steps = paths[rs[p]];  // visible step rows, ascending
     float* dst = logical + p * stride;
@@ -70,21 +67,21 @@ void attend_pairs(const int64_t* hs, const int64_t* rs, const Queries& q, int64_
     lens[p] = static_cast<int64_t>(steps.size());
     path[p] = steps.data();
     for (int64_t k = 0; k < lens[p]; ++k) dst[c + k] = raw[p * stride + c + steps[k]];
-    inv[p] = K::softmax(dst, c + lens[p], scale);
+    inv[p] = isa::softmax(dst, c + lens[p], scale);
     probs[p] = dst;
   }
-  K::template weigh_values<P>(probs, v, v_row, hd / K::kLanes, c, path, lens, inv, outs);
+  isa::weigh_values<P>(probs, v, v_row, hd / isa::kLanes, c, path, lens, inv, outs);
 }
 
-template <class Isa, typename T>
+template <typename T>
 void attend_task(int64_t count, const int64_t* hs, const int64_t* rs, const Queries& q, int64_t n, int64_t hd,
                  const T* kt, int64_t kt_row, const T* v, int64_t v_row, int64_t c,
                  const std::vector<std::vector<int64_t>>& paths, float scale, std::vector<float>& scratch, float* out) {
   switch (count) {
-    case 1: return attend_pairs<Isa, 1>(hs, rs, q, n, hd, kt, kt_row, v, v_row, c, paths, scale, scratch, out);
-    case 2: return attend_pairs<Isa, 2>(hs, rs, q, n, hd, kt, kt_row, v, v_row, c, paths, scale, scratch, out);
-    case 3: return attend_pairs<Isa, 3>(hs, rs, q, n, hd, kt, kt_row, v, v_row, c, paths, scale, scratch, out);
-    case 4: return attend_pairs<Isa, 4>(hs, rs, q, n, hd, kt, kt_row, v, v_row, c, paths, scale, scratch, out);
+    case 1: return attend_pairs<1>(hs, rs, q, n, hd, kt, kt_row, v, v_row, c, paths, scale, scratch, out);
+    case 2: return attend_pairs<2>(hs, rs, q, n, hd, kt, kt_row, v, v_row, c, paths, scale, scratch, out);
+    case 3: return attend_pairs<3>(hs, rs, q, n, hd, kt, kt_row, v, v_row, c, paths, scale, scratch, out);
+    case 4: return attend_pairs<4>(hs, rs, q, n, hd, kt, kt_row, v, v_row, c, paths, scale, scratch, out);
     default: TORCH_CHECK(false, "tree_attention: task of ", count, " pairs");
   }
 }
@@ -92,7 +89,6 @@ void attend_task(int64_t count, const int64_t* hs, const int64_t* rs, const Quer
 // q [H, n, hd] float32; keys_t [Hkv, hd, c + n] (transposed: keys along the last dim) and values [Hkv, c + n, hd],
 // float32 or bfloat16, this step's rows last; step_mask [n, n] bool (row r may see step row s) or none (causal)
 // -> [H, n, hd] float32.
-template <class Isa>
 at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& keys_t, const at::Tensor& values,
                           const std::optional<at::Tensor>& step_mask) {
   TORCH_CHECK(q_in.dim() == 3 && keys_t.dim() == 3 && values.dim() == 3,
@@ -141,8 +137,8 @@ at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& keys_t, cons
           hs[i - first] = g * group + i / n;
           rs[i - first] = i % n;
         }
-        attend_task<Isa>(last - first, hs, rs, qp, n, hd, kp + g * keys_t.stride(0), keys_t.stride(1),
-                         vp + g * values.stride(0), values.stride(1), c, paths, scale, scratch, op);
+        attend_task(last - first, hs, rs, qp, n, hd, kp + g * keys_t.stride(0), keys_t.stride(1),
+                    vp + g * values.stride(0), values.stride(1), c, paths, scale, scratch, op);
       }
     });
   };

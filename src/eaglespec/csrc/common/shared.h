@@ -1,0 +1,169 @@
+// What the host code and the micro-kernels share: torch's headers, scalar helpers and the packed layouts.
+//
+// Layout: csrc/common/ holds each operator's host code once (argument checks, dispatch over rows and threads, scalar
+// steps, registration); csrc/avx512/ and csrc/avx2/ hold only the vector micro-kernels, each operator's in a
+// namespace named after the instruction set, which its header makes the operator's `isa` namespace (`namespace isa
+// = avx2;`): the host code calls isa::softmax, isa::store_rows and so on. A build is one translation unit
+// (avx512/kernels.cpp, avx2/kernels.cpp) that includes its micro-kernels, then the host code (common/ops.h), so
+// torch's headers, the slow part of compiling a file, are parsed once per build. Hence also the light headers below
+// in place of <ATen/ATen.h>.
+//
+// Everything lives in anonymous namespaces, as in a file of its own: each header is included once, into one
+// translation unit, and internal linkage lets the compiler inline across it (calls to a -fPIC library's external
+// functions could be interposed, so they are not inlined) and keeps the two builds' symbols apart.
+
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace eaglespec {
+namespace {
+
+// A bfloat16 value as the float32 it is exact in (its high half).
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
+
+// `count` bfloat16 values -> float32 (exact).
+inline void widen_bf16(const uint16_t* from, int64_t count, float* to) {
+  for (int64_t i = 0; i < count; ++i) to[i] = bf16_to_float(from[i]);
+}
+
+// An operator's optional bias [n] as a contiguous float32 tensor (undefined where there is none).
+inline at::Tensor float_bias(const std::optional<at::Tensor>& bias_in, int64_t n, const char* op) {
+  at::Tensor bias;
+  if (bias_in.has_value()) {
+    bias = bias_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n, op, ": bias must be [", n, "]");
+  }
+  return bias;
+}
+
+inline const float* float_data(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+}  // namespace
+}  // namespace eaglespec
+
+// The bfloat16 products (common/bf16_gemm.h).
+namespace eaglespec::bf16 {
+namespace {
+
+// The packed weight (bf16_pack): [ceil(N/64), ceil(K/2), 64, 2] bfloat16, for a k-pair the 64 columns of a group with
+// their two k-values side by side (one 32-bit lane each).
+constexpr int64_t kGroup = 64;  // output columns per packed group
+constexpr int64_t kMaxM = 64;   // rows per pass over the weights; longer inputs (prefills) take several
+constexpr int64_t kBlock = 32;  // k-pairs per block when several tiles share a group's weights (8 KB)
+constexpr int64_t kAhead = kBlock * kGroup * 2;  // software prefetch distance in weight elements: one block ahead
+// The FMA loops also prefetch into L2 four blocks (32 KB) ahead: on the Intel VM where the AVX-512 build chooses its
+// FMA loop, all products of a step took 10-14% less for 1-16 rows than with the near prefetch alone (kernel_ab.py
+// --variant 1).
+constexpr int64_t kFarAhead = 4 * kAhead;
+
+// The rows of a call split into near-equal tiles of at most `most` rows (8 rows in tiles of 6: 4 + 4, not 6 + 2).
+struct Tiles {
+  int64_t count;
+  int64_t rows[kMaxM];
+  Tiles(int64_t m, int64_t most) : count((m + most - 1) / most) {
+    for (int64_t t = 0, row = 0; t < count; ++t) {
+      rows[t] = (m - row) / (count - t);
+      row += rows[t];
+    }
+  }
+};
+
+}  // namespace
+}  // namespace eaglespec::bf16
+
+// The rows' argmax (common/argmax_rows.h).
+namespace eaglespec::argmax {
+namespace {
+
+inline float value_at(const uint16_t* row, int64_t i) { return bf16_to_float(row[i]); }
+inline float value_at(const float* row, int64_t i) { return row[i]; }
+
+// The first NaN of a row the vector pass found one in.
+template <typename T>
+int64_t first_nan(const T* row, int64_t v) {
+  for (int64_t i = 0; i < v; ++i)
+    if (std::isnan(value_at(row, i))) return i;
+  return -1;
+}
+
+}  // namespace
+}  // namespace eaglespec::argmax
+
+// The rows' top-k (common/topk_rows.h).
+namespace eaglespec::topk {
+namespace {
+
+// Insert (value, index) into the sorted best list of `count` entries (capacity k); index grows along the row, so
+// an equal value goes after the entries already there.
+inline void insert(float value, int64_t index, float* values, int64_t* indices, int64_t& count, int64_t k) {
+  if (count == k && !(value > values[k - 1])) return;
+  int64_t at = count < k ? count : k - 1;  // the slot freed (the end, or the current k-th best)
+  while (at > 0 && values[at - 1] < value) {
+    values[at] = values[at - 1];
+    indices[at] = indices[at - 1];
+    --at;
+  }
+  values[at] = value;
+  indices[at] = index;
+  if (count < k) ++count;
+}
+
+}  // namespace
+}  // namespace eaglespec::topk
+
+// The LM-head screen and the int8 products (common/screened_argmax.h).
+namespace eaglespec::screen {
+namespace {
+
+// The packed int8 weight (bf16gemm.int8_rows): [ceil(N/16), K32/4, 16, 4] bytes q + 128, 16 columns x 4 consecutive
+// channels per 64 bytes.
+constexpr int64_t kLanes = 16;  // output columns per packed group
+constexpr int64_t kBlock = 32;  // input channels per quantization block of x
+constexpr int64_t kSteps = kBlock / 4;  // 64-byte units (16 columns x 4 channels) per block
+constexpr int64_t kAhead = 8 * kBlock * kLanes;  // software prefetch distance in weight bytes: 8 blocks
+
+// One input row, quantized: xq [K32] signed bytes, the scale of each block and the sum of its xq.
+struct Quantized {
+  const int8_t* xq;
+  const float* sx;      // [blocks]
+  const int32_t* xsum;  // [blocks]: sum_{k in b} xq_k (AVX-512: the weights are stored as q + 128)
+};
+
+}  // namespace
+}  // namespace eaglespec::screen
+
+// The 4-bit block products (common/q4_gemm.h).
+namespace eaglespec::q4 {
+namespace {
+
+// The packed weight (q4_pack in eaglespec/q4.py): [N/32 groups][K/32 blocks][640 bytes]; a group-block holds d of its
+// 32 columns (float16, 64 bytes), then m (64 bytes), then the q as 4 octets x 4 vectors x 8 columns of uint32 (512
+// bytes), where uint32 lane c of vector v of octet j holds q[8 v + c][32 b + 8 j + i] in bits [4 i, 4 i + 4).
+constexpr int64_t kCols = 32;                   // output columns per group: 4 vectors of 8 float32 lanes
+constexpr int64_t kBlockK = 32;                 // k per block (one d and m per column)
+constexpr int64_t kBlockBytes = 640;            // 64 d + 64 m + 512 q
+constexpr int64_t kScaleBytes = 128;
+
+}  // namespace
+}  // namespace eaglespec::q4
