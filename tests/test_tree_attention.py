@@ -1,4 +1,4 @@
-"""eaglespec's decode-step attention (csrc/tree_attention.cpp): torch's attention values over the tree's visible
+"""eaglespec's decode-step attention (csrc/common/tree_attention.h): torch's attention values over the tree's visible
 keys, the same bits for a tree row as for the one-token step over its path, clear errors; and a compiled bfloat16
 target whose verified tree rows give the bits of plain decoding's steps, so speculative decoding reproduces plain
 decoding token for token in bfloat16 too. Run on the build this CPU loads (AVX-512 or AVX2, `bf16gemm.isa()`);
@@ -124,7 +124,7 @@ def test_bad_input_is_a_clear_error():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_commit_rows_moves_the_accepted_path_in_every_layer(dtype):
-    """csrc/commit_rows.cpp: rows c + rows[i] -> c + i in every layer's transposed keys and values, the rest as it
+    """csrc/common/commit_rows.h: rows c + rows[i] -> c + i in every layer's transposed keys and values, the rest as it
     was; what FastTarget.commit did with one indexing call per cache."""
     keys_t = [torch.randn(3, 64, 50).to(dtype) for _ in range(4)]  # [Hkv, hd, capacity]
     values = [torch.randn(3, 50, 64).to(dtype) for _ in range(4)]  # [Hkv, capacity, hd]

