@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from eaglespec.drafters import Drafter
-from eaglespec.tree import DraftTree, chain
+from eaglespec.spec.tree import DraftTree, chain
 
 
 class OracleChain(Drafter):

@@ -1,17 +1,22 @@
-"""Online adaptation (eaglespec.adaptive): the switch policy follows measured speeds, and switching between
+"""Online adaptation (eaglespec.spec.adaptive): the switch policy follows measured speeds, and switching between
 drafting and plain decoding never changes the output (greedy: token for token; sampled: the distribution)."""
 
 import pytest
-import torch
-
-from eaglespec import Engine, TreeSettings
-from eaglespec.adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
-from eaglespec.decode import SpecDecoder
-from eaglespec.target import TargetModel
-
 from conftest import TinyTokenizer, make_model
 from test_engine import PROMPTS, random_head, vanilla_tokens
-from test_sampling import PARAMS, PROMPT, RUNS, WorstFirstDrafter, chi_square_p_value, exact_distribution
+from test_sampling import (
+    PARAMS,
+    PROMPT,
+    RUNS,
+    WorstFirstDrafter,
+    chi_square_p_value,
+    exact_distribution,
+)
+
+from eaglespec import Engine, TreeSettings
+from eaglespec.spec.adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
+from eaglespec.spec.decode import SpecDecoder
+from eaglespec.targets.hf import TargetModel
 
 
 def feed(policy: SwitchPolicy, seconds: dict[str, float], tokens: dict[str, int], rounds: int) -> list[str]:

@@ -4,17 +4,23 @@ import random
 
 import pytest
 import torch
-
-from eaglespec import Engine, TreeSettings
-from eaglespec import autotree
-from eaglespec.cpuload import LoadMonitor, LoadReading
-from eaglespec.autotree import (Candidates, TreeChoice, _candidates, auto_tree, cache_path, check_by_decoding, choose,
-                                verify_costs)
-from eaglespec.drafters import EagleDrafter
-from eaglespec.fastpath import make_target
-
 from conftest import TinyTokenizer, make_model
 from test_engine import random_head, vanilla_tokens
+
+from eaglespec import Engine, TreeSettings
+from eaglespec.cpuload import LoadMonitor, LoadReading
+from eaglespec.drafters import EagleDrafter, autotree
+from eaglespec.drafters.autotree import (
+    Candidates,
+    TreeChoice,
+    _candidates,
+    auto_tree,
+    cache_path,
+    check_by_decoding,
+    choose,
+    verify_costs,
+)
+from eaglespec.targets.fast import make_target
 
 
 def accepted_in(tree, truth: list[int]) -> int:
@@ -87,7 +93,7 @@ def test_replay_matches_the_tree_actually_drafted(kind):
 def test_timing_the_draft_rounds_leaves_the_candidates_alone():
     # Timing runs extra target forwards (to flush the CPU caches) and restarts of the tree; neither may change what
     # the head drafts or what is recorded as accepted.
-    from eaglespec.autotree import record_candidates
+    from eaglespec.drafters.autotree import record_candidates
 
     model = make_model("llama")
     head = random_head(model, "eagle1")
@@ -143,7 +149,8 @@ def test_verify_costs_time_passes_over_the_given_text(monkeypatch):
     target = make_target(make_model("llama"), feature_kind=None)
     seen = []
     forward = target.forward
-    monkeypatch.setattr(target, "forward", lambda tokens, *a, **k: seen.append(tokens.tolist()) or forward(tokens, *a, **k))
+    monkeypatch.setattr(target, "forward",
+                        lambda tokens, *a, **k: seen.append(tokens.tolist()) or forward(tokens, *a, **k))
     text = [(7 * i + 3) % target.vocab_size for i in range(100)]
     verify_costs(target, sizes=(2, 8), context=64, repeats=1, text=text)
     assert seen[0] == text[:64] and {tuple(s) for s in seen[1:]} == {tuple(text[64 : 64 + n]) for n in (1, 2, 8)}
@@ -208,7 +215,7 @@ def test_a_disturbed_calibration_is_used_but_not_cached(monkeypatch, capsys):
 
 def test_first_run_uses_the_cpu_class_default_without_measuring(monkeypatch):
     """No calibration on this machine yet: `--tree auto` starts at once from DEFAULT_TREES and drafts, adapting."""
-    from eaglespec.adaptive import DRAFT, AdaptiveDrafter
+    from eaglespec.spec.adaptive import DRAFT, AdaptiveDrafter
 
     def never(*args, **kwargs):
         raise AssertionError("measured on a first run")
@@ -220,7 +227,7 @@ def test_first_run_uses_the_cpu_class_default_without_measuring(monkeypatch):
     engine = Engine.from_model(model, TinyTokenizer(), head=head, tree="auto")
     choice = engine.tree_choice
     assert choice.source == "default" and choice.speculate
-    assert engine.drafter.settings == autotree.DEFAULT_TREES[autotree.cpu_class()]
+    assert engine.drafter.settings == autotree.DEFAULT_TREES[autotree.cpu_class(engine.target)]
     assert isinstance(engine.drafter, AdaptiveDrafter) and engine.drafter.policy.chosen == DRAFT
     assert "not yet calibrated" in engine.notice and "--tree calibrate" in engine.notice
     chain = Engine.from_model(model, TinyTokenizer(), head=head, method="chain", tree="auto")
@@ -244,7 +251,7 @@ def test_tree_must_be_auto_or_settings():
 def test_auto_adapts_starting_from_the_calibrated_choice(expected, speculates):
     import json
 
-    from eaglespec.adaptive import DRAFT, PLAIN, AdaptiveDrafter
+    from eaglespec.spec.adaptive import DRAFT, PLAIN, AdaptiveDrafter
 
     model = make_model("llama", seed=3)
     head = random_head(model, "eagle1")

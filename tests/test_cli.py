@@ -1,15 +1,13 @@
 """The command line: it generates, and bad input gets a short message and exit code 2 (no traceback)."""
 
 import pytest
+from tiny_hub import write_tiny_model
 
 from eaglespec.cli import main, parse_tree
 from eaglespec.drafters import TreeSettings
 from eaglespec.errors import EagleSpecError
 from eaglespec.heads import HeadConfig, build_head, save_head
-from eaglespec.target import TargetModel
-
-from conftest import make_model
-from tiny_hub import write_tiny_model
+from eaglespec.targets.hf import TargetModel
 
 
 @pytest.fixture(scope="module")

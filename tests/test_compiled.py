@@ -5,18 +5,22 @@ import shutil
 
 import pytest
 import torch
-
-from eaglespec import Engine, TreeSettings
-from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-from eaglespec.compiled import SMALL_TREE, DecodeStack, HeadStep, cpu_compiler_available, graph_kind
-from eaglespec.drafters import EagleDrafter
-from eaglespec.errors import EagleSpecError
-from eaglespec.fastpath import FastTarget, make_target
-
 from conftest import TinyTokenizer, make_cpu_model
 from test_engine import PROMPTS, random_head
 from test_fastpath import PROMPT, TREE
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+from eaglespec import Engine, TreeSettings
+from eaglespec.backends.cpu.apply import eagle_drafter
+from eaglespec.backends.cpu.compiled import (
+    SMALL_TREE,
+    DecodeStack,
+    HeadStep,
+    cpu_compiler_available,
+    graph_kind,
+)
+from eaglespec.errors import EagleSpecError
+from eaglespec.targets.fast import FastTarget, make_target
 
 needs_compiler = pytest.mark.skipif(not cpu_compiler_available(),
                                     reason="torch.compile's CPU backend needs a C++ compiler")
@@ -88,8 +92,8 @@ def test_compiled_head_step_drafts_the_eager_trees(model):
     target = FastTarget(model, "eagle3")
     settings = TreeSettings(total_tokens=6, depth=3, top_k=2)
     before = len(_debug_get_cache_entry_list(HeadStep.forward.__code__))
-    eager = EagleDrafter(head, target.embed_tokens, target.lm_head, "dynamic", settings)
-    compiled_drafter = EagleDrafter(head, target.embed_tokens, target.lm_head, "dynamic", settings, compile=True)
+    eager = eagle_drafter(head, target.embed_tokens, target.lm_head, "dynamic", settings)
+    compiled_drafter = eagle_drafter(head, target.embed_tokens, target.lm_head, "dynamic", settings, compile=True)
     graphs = len(_debug_get_cache_entry_list(HeadStep.forward.__code__))
     assert graphs >= before + 2  # compiled by the drafter: one row, several rows
     gen = torch.Generator().manual_seed(0)
@@ -119,7 +123,7 @@ def test_two_compiled_heads_keep_their_own_weights(model):
     trees = []
     for seed in (5, 6):
         head = random_head(model, "eagle3", seed=seed)
-        pair = [EagleDrafter(head, target.embed_tokens, target.lm_head, "dynamic", settings, compile=compile)
+        pair = [eagle_drafter(head, target.embed_tokens, target.lm_head, "dynamic", settings, compile=compile)
                 for compile in (False, True)]
         for d in pair:
             d.draft(tokens, new_features)  # the prompt's catch-up (eager)
@@ -187,7 +191,7 @@ def test_compile_settings_are_entered_only_where_dynamo_compiles():
     shape compile inside it; an error of the function itself is raised once, not retried."""
     from contextlib import contextmanager
 
-    from eaglespec.compiled import call_compiled
+    from eaglespec.backends.cpu.compiled import call_compiled
 
     entered = []
 

@@ -9,11 +9,10 @@ import json
 import httpx
 import pytest
 import torch
+from test_serve import LiveServer
 
 from eaglespec import Engine
-from eaglespec.adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
-
-from test_serve import LiveServer
+from eaglespec.spec.adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
 
 pytestmark = pytest.mark.real_model
 

@@ -2,14 +2,13 @@
 
 import pytest
 import torch
-
-from eaglespec import Engine, TreeSettings
-from eaglespec.decode import SpecDecoder
-from eaglespec.heads import HeadConfig, build_head
-from eaglespec.target import TargetModel
-
 from conftest import VOCAB, TinyTokenizer, make_model
 from oracles import OracleChain, OracleTreeWithDecoys
+
+from eaglespec import Engine, TreeSettings
+from eaglespec.heads import HeadConfig, build_head
+from eaglespec.spec.decode import SpecDecoder
+from eaglespec.targets.hf import TargetModel
 
 PROMPTS = [[5, 17, 33, 2, 9, 40], [1, 2, 3], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73], [88]]
 
@@ -133,7 +132,7 @@ def test_eos_and_max_new_tokens_are_honoured():
 def test_text_stream_keeps_its_anchor_where_decoding_apart_differs():
     """A tokenizer whose text of two parts is not the two texts joined (here: words joined with spaces) never moves
     the stream's anchor (it decodes everything each step), and its text and pieces stay exact."""
-    from eaglespec.decode import TextStream
+    from eaglespec.spec.decode import TextStream
 
     class Spaced:
         def decode(self, ids, skip_special_tokens=True):

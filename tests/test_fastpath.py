@@ -2,15 +2,14 @@
 
 import pytest
 import torch
+from conftest import TinyTokenizer, make_model
+from test_engine import PROMPTS, random_head
 
 from eaglespec import Engine, TreeSettings
 from eaglespec.errors import EagleSpecError
-from eaglespec.fastpath import FastTarget, make_target, supports
-from eaglespec.target import TargetModel
-from eaglespec.tree import DraftTree
-
-from conftest import TinyTokenizer, make_model
-from test_engine import PROMPTS, random_head
+from eaglespec.spec.tree import DraftTree
+from eaglespec.targets.fast import FastTarget, make_target, supports
+from eaglespec.targets.hf import TargetModel
 
 PROMPT = torch.tensor([3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26])
 TREE = DraftTree(tokens=torch.tensor([5, 11, 12, 13, 14, 15, 16]), parents=torch.tensor([-1, 0, 0, 1, 1, 2, 3]))

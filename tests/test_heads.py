@@ -4,14 +4,20 @@ import json
 
 import pytest
 import torch
+from conftest import make_cpu_model, make_model
 from safetensors.torch import load_file, save_file
 
 from eaglespec.errors import CheckpointError, EagleSpecError, HeadMismatchError
-from eaglespec.heads import HeadConfig, build_head, check_head_fits, load_head, save_draft_vocab, save_head
+from eaglespec.heads import (
+    HeadConfig,
+    build_head,
+    check_head_fits,
+    load_head,
+    save_draft_vocab,
+    save_head,
+)
 from eaglespec.heads.layer import KVCache
-from eaglespec.target import TargetModel
-
-from conftest import make_cpu_model, make_model
+from eaglespec.targets.hf import TargetModel
 
 EAGLE1_KEYS = {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
                "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
@@ -165,9 +171,9 @@ def test_eagle1_draft_vocabulary_subset(tmp_path, target):
 
 
 def test_eagle1_subset_drafting_is_lossless():
-    from eaglespec import Engine, TreeSettings
-
     from conftest import TinyTokenizer
+
+    from eaglespec import Engine, TreeSettings
 
     model = make_model("llama")
     t = TargetModel(model)

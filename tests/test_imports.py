@@ -92,3 +92,40 @@ def test_platform_and_envs_are_leaves():
     graph = import_graph()
     assert graph["eaglespec.envs"] == set()
     assert graph["eaglespec.platform"] <= {"eaglespec.envs", "eaglespec.errors"}
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for w in graph[todo.pop()]:
+            if w not in seen:
+                seen.add(w)
+                todo.append(w)
+    return seen
+
+
+def test_the_algorithm_imports_no_backend_or_platform_code():
+    """eaglespec.spec (tree, verification, decode loop, adaptive policy) and eaglespec.drafters reach no kernel,
+    packing, quantization or compile code, not even through other modules: the CPU backend is applied from outside
+    (backends/cpu/apply.py). Only the tree calibration reads the platform (its cache directory) and the CPU load."""
+    graph = import_graph()
+    algorithm = [m for m in graph if m.startswith(("eaglespec.spec", "eaglespec.drafters"))]
+    assert "eaglespec.spec.decode" in algorithm and "eaglespec.drafters.eagle" in algorithm
+    for module in algorithm:
+        reached = reachable(graph, module)
+        assert not {m for m in reached if m.startswith("eaglespec.backends")}, module
+        if module != "eaglespec.drafters.autotree":
+            assert "eaglespec.platform" not in reached and "eaglespec.cpuload" not in reached, module
+
+
+def test_the_backend_is_applied_in_one_place():
+    """Outside the backend itself, only the fast target (its plan), the API and the bench, CLI and tools that
+    report or choose the build import eaglespec.backends."""
+    graph = import_graph()
+    users = {m for m, deps in graph.items() if not m.startswith("eaglespec.backends")
+             and any(d.startswith("eaglespec.backends") for d in deps)}
+    assert users <= {"eaglespec.targets.fast", "eaglespec.api", "eaglespec.cli", "eaglespec.bench.cli",
+                     "eaglespec.bench.methods", "eaglespec.bench.oracle", "eaglespec.serve.cli",
+                     "eaglespec.train.features", "eaglespec.bench.machine"}, users

@@ -1,5 +1,5 @@
-"""Which build of eaglespec's CPU kernels a CPU gets (eaglespec.bf16gemm.isa) and the dtype `auto` picks with it.
-CPU flags are faked, so these run on any machine."""
+"""Which build of eaglespec's CPU kernels a CPU gets (eaglespec.backends.cpu.kernels.isa) and the dtype `auto` picks
+with it. CPU flags are faked, so these run on any machine."""
 
 import os
 import re
@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglespec import bf16gemm, platform, q4
+from eaglespec import platform
+from eaglespec.backends.cpu import kernels as bf16gemm
+from eaglespec.backends.cpu import q4
 from eaglespec.errors import EagleSpecError
 
 AVX512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
@@ -74,7 +76,8 @@ def test_each_build_is_one_translation_unit_over_shared_host_code():
     includes the host code every build shares (csrc/common/: the schemas, the weight packing, checks, dispatch, the
     ISA-neutral commit) and its own micro-kernels of every operator; `sources` lists exactly the files it includes
     (their digest keys cached measurements, and the wheel must ship them). Both compile the AVX2 4-bit block product
-    (eaglespec.q4), which an AVX-512 CPU runs too, so the AVX-512 build also requires and passes the flags it needs."""
+    (eaglespec.backends.cpu.q4), which an AVX-512 CPU runs too, so the AVX-512 build also requires and passes the flags
+    it needs."""
     avx2 = bf16gemm.ISAS["avx2"]
     for name, build in bf16gemm.ISAS.items():
         unit = bf16gemm.CSRC / name / "kernels.cpp"
@@ -91,7 +94,8 @@ def test_each_build_is_one_translation_unit_over_shared_host_code():
 
 
 def test_both_builds_have_the_4bit_product(flags, monkeypatch):
-    """eaglespec.q4 runs wherever a build of the kernels does (AVX-512 CPUs included), unless turned off."""
+    """eaglespec.backends.cpu.q4 runs wherever a build of the kernels does (AVX-512 CPUs included), unless turned
+    off."""
     monkeypatch.delenv(q4.ENV, raising=False)
     for cpu in (AVX512, AVX2):
         flags(cpu)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import TinyTokenizer, make_model
+
 from eaglespec.api import Engine
 from eaglespec.drafters import TreeSettings
-from eaglespec.lookup import PromptLookupDrafter, find_continuation
+from eaglespec.drafters.lookup import PromptLookupDrafter, find_continuation
 
 
 def t(*ids: int) -> torch.Tensor:

@@ -1,11 +1,10 @@
 """The model registry: names, local folders, GGUF files, and the errors for what is missing."""
 
 import pytest
+from tiny_hub import write_tiny_model
 
 from eaglespec import models, platform
 from eaglespec.errors import EagleSpecError, MissingPackageError
-
-from tiny_hub import write_tiny_model
 
 
 def test_missing_package_gives_the_pip_command(monkeypatch):

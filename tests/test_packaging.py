@@ -1,7 +1,7 @@
-"""Packaging: a wheel of the project holds every kernel source (eaglespec.bf16gemm compiles them on first use, so an
-installed package without them cannot build its kernels) and the shipped heads, and a package installed from it (not
-editable) builds its kernels and multiplies with them. The wheel is built without the network (no build isolation),
-so these tests need setuptools in the test environment (the `test` extra brings it)."""
+"""Packaging: a wheel of the project holds every kernel source (eaglespec.backends.cpu.kernels compiles them on first
+use, so an installed package without them cannot build its kernels) and the shipped heads, and a package installed from
+it (not editable) builds its kernels and multiplies with them. The wheel is built without the network (no build
+isolation), so these tests need setuptools in the test environment (the `test` extra brings it)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglespec import bf16gemm
+from eaglespec.backends.cpu import kernels as bf16gemm
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_PACKAGE = ROOT / "src" / "eaglespec"
@@ -65,10 +65,10 @@ def test_the_wheel_holds_every_kernel_source_and_the_shipped_heads(wheel: Path) 
     names = set(zipfile.ZipFile(wheel).namelist())
     # every source of every build (as bf16gemm will look for them), and every kernel file in the checkout's csrc/
     # (a header or a new build's sources, at any depth)
-    expected = {in_wheel(source, bf16gemm.CSRC.parent) for build in bf16gemm.ISAS.values()
+    expected = {in_wheel(source, SOURCE_PACKAGE) for build in bf16gemm.ISAS.values()
                 for source in build.sources}
     assert any("/avx2/" in name for name in expected)  # (sources one folder down: a csrc/*.cpp glob misses them)
-    expected |= {in_wheel(path, SOURCE_PACKAGE) for path in (SOURCE_PACKAGE / "csrc").rglob("*")
+    expected |= {in_wheel(path, SOURCE_PACKAGE) for path in (SOURCE_PACKAGE / "backends" / "cpu" / "csrc").rglob("*")
                  if path.is_file() and path.suffix in KERNEL_SUFFIXES}
     heads = {in_wheel(path, SOURCE_PACKAGE) for path in (SOURCE_PACKAGE / "shipped_heads").rglob("*")
              if path.is_file() and "__pycache__" not in path.parts}
@@ -86,7 +86,8 @@ from pathlib import Path
 import torch
 
 import eaglespec
-from eaglespec import bf16gemm, q4
+from eaglespec.backends.cpu import kernels as bf16gemm
+from eaglespec.backends.cpu import q4
 
 site = Path(sys.argv[1]).resolve()
 assert Path(eaglespec.__file__).resolve().is_relative_to(site), eaglespec.__file__

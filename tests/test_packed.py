@@ -1,22 +1,23 @@
-"""Linear layers pre-packed for oneDNN (eaglespec.packed) and their use in the fast path and the drafter."""
+"""Linear layers pre-packed for oneDNN (eaglespec.backends.cpu.packed) and their use in the fast path and the
+drafter."""
 
 from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from eaglespec import packed
-from eaglespec.errors import EagleSpecError
-from eaglespec.fastpath import FastTarget, make_target
-from eaglespec.heads import HeadConfig, build_head
-from eaglespec.platform import cpu_has_native_bf16
-from eaglespec.target import TargetModel
-
 from conftest import VOCAB, make_cpu_model
 from oracles import tree_rows_and_steps
 from test_engine import PROMPTS
+from torch import nn
+
+from eaglespec.backends.cpu import packed
+from eaglespec.backends.cpu.apply import eagle_drafter
+from eaglespec.errors import EagleSpecError
+from eaglespec.heads import HeadConfig, build_head
+from eaglespec.platform import cpu_has_native_bf16
+from eaglespec.targets.fast import FastTarget, make_target
+from eaglespec.targets.hf import TargetModel
 
 pytestmark = pytest.mark.skipif(not packed.available(torch.float32, "cpu"), reason="this torch has no oneDNN")
 
@@ -148,17 +149,23 @@ def test_pack_linears_copies_the_module_and_keeps_its_outputs():
 
 @pytest.mark.parametrize("vocab", [None, 40])
 def test_eagle1_logits_are_packed_in_inference_mode_only(vocab):
+    """The CPU backend (apply.eagle_drafter) has a float32 EAGLE-1 head pack its rows of the target's LM head for
+    oneDNN; a head on its own, and any call outside inference mode, keeps torch's product."""
     model = make_cpu_model("llama")
     target = TargetModel(model)
     head = build_head(HeadConfig.for_target(target, "eagle1")).eval()
     if vocab:
         head.set_draft_vocab(torch.randperm(VOCAB)[:vocab])
     hidden = torch.randn(3, model.config.hidden_size)
-    with torch.no_grad():
-        plain = head.logits(hidden, target.lm_head)
     with torch.inference_mode():
-        fast = head.logits(hidden, target.lm_head)
-    assert isinstance(head._rows[1], packed.PackedLinear)
+        head.logits(hidden, target.lm_head)
+    assert head._rows is None or not isinstance(head._rows[1], packed.PackedLinear)  # not applied: torch
+    run = eagle_drafter(head, target.embed_tokens, target.lm_head).head
+    with torch.no_grad():
+        plain = run.logits(hidden, target.lm_head)
+    with torch.inference_mode():
+        fast = run.logits(hidden, target.lm_head)
+    assert isinstance(run._rows[1], packed.PackedLinear)
     torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
     assert fast.shape == (3, vocab or VOCAB)
 
@@ -214,10 +221,10 @@ def test_row_by_row_attention_leaves_every_step_key_in_its_row():
 
 
 def test_full_vocabulary_eagle1_drafter_shares_the_targets_packed_lm_head():
-    from eaglespec.api import Engine
-
     from conftest import TinyTokenizer
     from test_engine import random_head
+
+    from eaglespec.api import Engine
 
     model = make_cpu_model("llama", seed=3)
     head = random_head(model, "eagle1")
@@ -241,9 +248,10 @@ def test_exact_engine_gives_plain_decodings_tokens(dtype):
     """`exact=True` (--exact): row-by-row verify passes, so a random head's trees reproduce plain decoding."""
     if not packed.available(dtype, "cpu"):
         pytest.skip("bit-exact products need packed weights: bfloat16 ones need a CPU with native bfloat16")
-    from eaglespec import Engine, TreeSettings
     from conftest import TinyTokenizer
     from test_engine import random_head
+
+    from eaglespec import Engine, TreeSettings
 
     model = make_cpu_model("qwen2").to(dtype)
     head = random_head(model, "eagle1").to(dtype)
@@ -256,8 +264,9 @@ def test_exact_engine_gives_plain_decodings_tokens(dtype):
 
 
 def test_exact_needs_the_fast_path():
-    from eaglespec import Engine
     from conftest import TinyTokenizer
+
+    from eaglespec import Engine
 
     with pytest.raises(EagleSpecError, match="--exact needs the fast path"):
         Engine.from_model(make_cpu_model("llama"), TinyTokenizer(), method="vanilla", backend="hf", exact=True)

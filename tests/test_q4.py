@@ -1,22 +1,22 @@
-"""Exact 4-bit block weights (eaglespec.q4, csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h): finding llama.cpp's Q4_1 form in float32 weights
-(checked against gguf's own quantizer), the packing, the product (the exact product rounded once to bfloat16 up to
-float32 rounding, row-invariant), and a compiled bfloat16 target whose layers use it, decoding
-speculatively to plain decoding's tokens. The kernel tests need a build of the kernels (AVX2, or AVX-512, which
-compiles the same 4-bit source: `q4.available()`) and a compiler; the form and packing checks run everywhere."""
+"""Exact 4-bit block weights (eaglespec.backends.cpu.q4, csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h): finding
+llama.cpp's Q4_1 form in float32 weights (checked against gguf's own quantizer), the packing, the product (the exact
+product rounded once to bfloat16 up to float32 rounding, row-invariant), and a compiled bfloat16 target whose layers use
+it, decoding speculatively to plain decoding's tokens. The kernel tests need a build of the kernels (AVX2, or AVX-512,
+which compiles the same 4-bit source: `q4.available()`) and a compiler; the form and packing checks run everywhere."""
 
 import numpy as np
 import pytest
 import torch
+from conftest import TinyTokenizer, make_cpu_model
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
-
-from eaglespec import bf16gemm, q4
-from eaglespec.api import Engine, TreeSettings
-from eaglespec.fastpath import FastTarget
-
-from conftest import TinyTokenizer, make_cpu_model
 from test_engine import PROMPTS, random_head
 from test_fastpath import PROMPT
+
+from eaglespec.api import Engine, TreeSettings
+from eaglespec.backends.cpu import kernels as bf16gemm
+from eaglespec.backends.cpu import q4
+from eaglespec.targets.fast import FastTarget
 
 needs_kernel = pytest.mark.skipif(not (q4.available() and bf16gemm.can_build()),
                                   reason="the 4-bit product needs a CPU with AVX2 + FMA + F16C and a C++ compiler")
@@ -156,8 +156,8 @@ def test_compiled_target_reads_its_layers_as_blocks(q4_folder):
 def test_speculative_decoding_on_blocks_gives_plain_decodings_tokens(q4_folder):
     model = load(q4_folder)
     plain = Engine.from_model(model, TinyTokenizer(), method="vanilla", compile=True)
-    spec = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle1").to(torch.bfloat16), method="eagle2",
-                             compile=True, tree=TreeSettings(total_tokens=8, depth=3, top_k=3))
+    spec = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle1").to(torch.bfloat16),
+                             method="eagle2", compile=True, tree=TreeSettings(total_tokens=8, depth=3, top_k=3))
     assert plain.target.q4_matrices == spec.target.q4_matrices == 8
     for prompt in PROMPTS:
         assert spec.generate(prompt, max_new_tokens=20).tokens == plain.generate(prompt, max_new_tokens=20).tokens

@@ -2,15 +2,19 @@
 
 import pytest
 import torch
-
-from eaglespec import Engine, TreeSettings
-from eaglespec.errors import EagleSpecError
-from eaglespec.fastpath import FastTarget, make_target
-from eaglespec.quant import check_mode, quantize, quantize_int4, quantize_int8
-
 from conftest import TinyTokenizer, make_cpu_model
 from oracles import tree_rows_and_steps
 from test_engine import PROMPTS, random_head
+
+from eaglespec import Engine, TreeSettings
+from eaglespec.backends.cpu.quant import (
+    check_mode,
+    quantize,
+    quantize_int4,
+    quantize_int8,
+)
+from eaglespec.errors import EagleSpecError
+from eaglespec.targets.fast import FastTarget, make_target
 
 
 def test_quantized_weights_stay_close_to_the_original():
@@ -47,8 +51,8 @@ def test_each_row_is_computed_the_same_whatever_the_number_of_rows(mode):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_verified_tree_row_is_bit_identical_to_the_one_token_step(arch, mode):
     """Quantized decode steps are row-invariant: each tree row's logits equal, bit for bit, those of one-token steps
-    along its path, for branching rows (paths copied after the prefix) and a chain (cache slices). The tiny model rarely shows the
-    difference without it; tests/test_real_model.py checks the real one, where it is ~0.2 of a logit."""
+    along its path, for branching rows (paths copied after the prefix) and a chain (cache slices). The tiny model rarely
+    shows the difference without it; tests/test_real_model.py checks the real one, where it is ~0.2 of a logit."""
     target = make_target(make_cpu_model(arch), "final", quantize=mode)
     assert target.row_invariant
     tree, steps, chain = tree_rows_and_steps(target, torch.tensor(PROMPTS[1]), [7, 3, 9])

@@ -2,13 +2,12 @@
 
 import pytest
 import torch
+from oracles import tree_rows_and_steps
 
 from eaglespec import Engine, TreeSettings
 from eaglespec.heads import load_head
 from eaglespec.models import load_target, shipped_head_dir
-from eaglespec.fastpath import make_target
-
-from oracles import tree_rows_and_steps
+from eaglespec.targets.fast import make_target
 
 pytestmark = pytest.mark.real_model
 
@@ -33,7 +32,7 @@ def smol():
 def smol_auto():
     """The model in the dtype `auto` picks here (bfloat16 wherever eaglespec's kernels run): the engine's defaults, fast
     and exact; the float32 one decodes exactly too, through row-by-row attention, but several times slower."""
-    from eaglespec import bf16gemm
+    from eaglespec.backends.cpu import kernels as bf16gemm
     from eaglespec.platform import parse_dtype
 
     torch.set_num_threads(2)
@@ -104,7 +103,7 @@ def test_text_stream_decodes_past_its_anchor_and_still_gives_the_whole_text(smol
     spaces, arbitrary ids included), and the released pieces add up to it."""
     import random
 
-    from eaglespec.decode import TextStream
+    from eaglespec.spec.decode import TextStream
 
     _, tokenizer = smol
     rng = random.Random(0)

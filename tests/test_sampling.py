@@ -3,15 +3,14 @@ power to catch a broken acceptance rule."""
 
 import pytest
 import torch
+from conftest import TinyTokenizer, make_model
 
-from eaglespec.decode import SpecDecoder
 from eaglespec.drafters import Drafter
 from eaglespec.errors import EagleSpecError
-from eaglespec.target import TargetModel
-from eaglespec.tree import DraftTree
-from eaglespec.verify import SamplingParams, Verdict, target_probs, verify_sample
-
-from conftest import TinyTokenizer, make_model
+from eaglespec.spec.decode import SpecDecoder
+from eaglespec.spec.tree import DraftTree
+from eaglespec.spec.verify import SamplingParams, Verdict, target_probs, verify_sample
+from eaglespec.targets.hf import TargetModel
 
 PARAMS = SamplingParams(temperature=0.9, top_p=0.95, top_k=4)
 PROMPT = [5, 17, 33, 2]

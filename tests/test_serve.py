@@ -33,7 +33,7 @@ from eaglespec.cli import build_parser
 from eaglespec.heads import HeadConfig, build_head
 from eaglespec.models import load_target, shipped_head_dir
 from eaglespec.serve import ServerConfig, create_app
-from eaglespec.target import TargetModel
+from eaglespec.targets.hf import TargetModel
 
 MODEL = "tiny-test"
 KEY = "test-key"
@@ -347,7 +347,7 @@ def test_bad_input_is_rejected_and_server_keeps_serving(live, endpoint, body, st
 
 
 def test_neutral_values_of_unsupported_features_are_accepted(live):
-    body = {"model": MODEL, "messages": USER, "max_completion_tokens": 3, "presence_penalty": 0,
+    body = {"model": MODEL, "max_completion_tokens": 3, "presence_penalty": 0,
             "frequency_penalty": 0.0, "logprobs": False, "n": 1,
             "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}, *USER]}
     r = live.post("/v1/chat/completions", body)
@@ -557,8 +557,8 @@ def test_cli_serve_default_model_with_env_api_key():
     env = dict(os.environ, EAGLESPEC_API_KEY="env-secret")
     # A fixed tree: no one-time tree calibration inside the start-up deadline (tests/test_autotree.py covers it).
     proc = subprocess.Popen([sys.executable, "-m", "eaglespec.cli", "serve", "--port", str(port), "--threads", "1",
-                             "--tree", "16,5,4", "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                             "--tree", "16,5,4", "--log-level", "warning"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from eaglespec.decode import Finished, GenerationStats, Step
 from eaglespec.errors import EagleSpecError
 from eaglespec.serve.metrics import ServerMetrics
 from eaglespec.serve.schemas import APIError
 from eaglespec.serve.worker import Cancelled, Done, GenerationParams, GenerationWorker
+from eaglespec.spec.decode import Finished, GenerationStats, Step
 
 
 class _Resettable:

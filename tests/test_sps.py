@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import TinyTokenizer, make_cpu_model, make_model
-from eaglespec import bf16gemm
+
 from eaglespec.api import Engine
+from eaglespec.backends.cpu import kernels as bf16gemm
 from eaglespec.drafters import TreeSettings
-from eaglespec.fastpath import FastTarget
-from eaglespec.sps import DraftModelDrafter
+from eaglespec.drafters.draft_model import DraftModelDrafter
+from eaglespec.targets.fast import FastTarget, make_target
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 
@@ -96,7 +96,7 @@ def test_target_as_its_own_draft_accepts_every_drafted_token(arch, depth):
 def test_draft_cache_rolls_back_to_the_committed_prefix(arch):
     draft = make_model(arch, seed=1, layers=2)
     depth = 3
-    drafter = DraftModelDrafter(draft, TreeSettings(depth=depth))
+    drafter = DraftModelDrafter(make_target(draft, feature_kind=None, exact=False), TreeSettings(depth=depth))
     sizes = record_forwards(drafter)
 
     def round_(ids: list[int]) -> list[int]:
@@ -136,7 +136,7 @@ def test_draft_cache_rolls_back_to_the_committed_prefix(arch):
 
 def test_generic_fallback_keeps_only_committed_rows():
     draft = make_model("gemma3", seed=1, layers=2)
-    drafter = DraftModelDrafter(draft, TreeSettings(depth=3))
+    drafter = DraftModelDrafter(make_target(draft, feature_kind=None, exact=False), TreeSettings(depth=3))
     assert not isinstance(drafter.model, FastTarget) and not drafter.rolls_back
     tree = drafter.draft(torch.tensor([4, 5, 6]), None)
     assert tree.tokens[0].item() == 6 and len(tree) == 4

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-
-from eaglespec.target import TargetModel
-from eaglespec.tree import DraftTree
-
 from conftest import make_model
+
+from eaglespec.spec.tree import DraftTree
+from eaglespec.targets.hf import TargetModel
 
 PROMPT = torch.tensor([3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26])
 TREE = DraftTree(tokens=torch.tensor([5, 11, 12, 13, 14, 15, 16]), parents=torch.tensor([-1, 0, 0, 1, 1, 2, 3]))

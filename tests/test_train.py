@@ -9,19 +9,24 @@ import string
 
 import pytest
 import torch
+from conftest import make_model
 
 from eaglespec.errors import CheckpointError, EagleSpecError
 from eaglespec.heads import build_head, load_head, read_draft_vocab, save_head
-from eaglespec.heads.layer import KVCache
 from eaglespec.heads.config import HeadConfig
-from eaglespec.target import TargetModel
-from eaglespec.train.data import encode_conversation, encode_dataset, read_conversations, self_distill
+from eaglespec.heads.layer import KVCache
+from eaglespec.targets.hf import TargetModel
+from eaglespec.train.data import (
+    encode_conversation,
+    encode_dataset,
+    read_conversations,
+    self_distill,
+    transformers_generator,
+)
 from eaglespec.train.export import export_head
 from eaglespec.train.features import CachedFeatures, OnlineFeatures, open_feature_stores
 from eaglespec.train.trainer import TrainConfig, Trainer, lr_lambda
 from eaglespec.train.vocab import select_draft_vocab, token_counts
-
-from conftest import make_model
 
 CHARS = string.ascii_lowercase + " .,?\n"
 CHAT_TEMPLATE = (
@@ -109,7 +114,8 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tok):
     ex = encode_conversation(tok, conv)
     masked = tok.decode(ex.input_ids[ex.loss_mask].tolist())
     assert masked == "ok.<|im_end|>\nsure<|im_end|>\n"
-    assert ex.input_ids.tolist() == tok(tok.apply_chat_template(conv, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert ex.input_ids.tolist() == tok(tok.apply_chat_template(conv, tokenize=False),
+                                        add_special_tokens=False)["input_ids"]
 
 
 def test_empty_dataset_and_no_assistant_turns_are_clear_errors(tok, tmp_path):
@@ -126,9 +132,11 @@ def test_empty_dataset_and_no_assistant_turns_are_clear_errors(tok, tmp_path):
 def test_self_distillation_writes_jsonl_and_resumes(tok, target_model, tmp_path):
     prompts = [c[:1] for c in conversations(5, seed=3)]
     out = tmp_path / "answers.jsonl"
-    assert self_distill(target_model, tok, prompts[:3], out, batch_size=2, max_new_tokens=6, progress=False) == 3
+    assert self_distill(transformers_generator(target_model, tok), tok, prompts[:3], out, batch_size=2,
+                        max_new_tokens=6, progress=False) == 3
     first = out.read_text().splitlines()
-    assert self_distill(target_model, tok, prompts, out, batch_size=2, max_new_tokens=6, progress=False) == 5
+    assert self_distill(transformers_generator(target_model, tok), tok, prompts, out, batch_size=2,
+                        max_new_tokens=6, progress=False) == 5
     lines = out.read_text().splitlines()
     assert lines[:3] == first  # answered prompts are kept, not redone
     records = [json.loads(line) for line in lines]
@@ -137,8 +145,10 @@ def test_self_distillation_writes_jsonl_and_resumes(tok, target_model, tmp_path)
     assert all(c[-1]["role"] == "assistant" for c in convs)
     # The answer is the target's own greedy continuation of the templated prompt.
     r = records[0]
-    ids = tok.apply_chat_template(prompts[int(r["id"])], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    want = target_model.generate(ids, do_sample=False, max_new_tokens=6, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
+    ids = tok.apply_chat_template(prompts[int(r["id"])], add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)["input_ids"]
+    want = target_model.generate(ids, do_sample=False, max_new_tokens=6,
+                                 pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
     assert r["conversations"][-1]["value"] == tok.decode(want, skip_special_tokens=True).strip()
 
 
@@ -521,7 +531,12 @@ def test_eagle1_cross_entropy_over_the_draft_vocabulary(tmp_path, data_file, tar
 def test_eagle3_loss_is_the_weighted_sum_of_per_step_soft_cross_entropies(tmp_path, data_file, target_model, tok):
     """The trainer computes the target's distributions once and shifts them per step; the reference recomputes
     them at each step from the target's hidden states at positions t+1+j."""
-    from eaglespec.train.losses import next_embeds, shift_left, soft_cross_entropy, step_mask
+    from eaglespec.train.losses import (
+        next_embeds,
+        shift_left,
+        soft_cross_entropy,
+        step_mask,
+    )
 
     trainer = Trainer(config(tmp_path, data_file, "eagle3", ttt_steps=3), target_model, tok, progress=False)
     head, batch = trainer.unwrapped(), trainer.train_source.batch(list(range(6))).to(trainer.target.device)
@@ -544,7 +559,12 @@ def test_eagle1_training_time_test_scores_each_step_on_its_own_fed_back_output(t
     CE) against the target's feature and distribution at t+1+j, weighted 0.8^j; one step is the paper's loss."""
     import torch.nn.functional as F
 
-    from eaglespec.train.losses import next_embeds, shift_left, soft_cross_entropy, step_mask
+    from eaglespec.train.losses import (
+        next_embeds,
+        shift_left,
+        soft_cross_entropy,
+        step_mask,
+    )
 
     one = Trainer(config(tmp_path, data_file, "eagle1", ttt_steps=None, noise=0.0), target_model, tok, progress=False)
     three = Trainer(config(tmp_path, data_file, "eagle1", ttt_steps=3, noise=0.0, max_steps=25), target_model, tok,
@@ -561,7 +581,8 @@ def test_eagle1_training_time_test_scores_each_step_on_its_own_fed_back_output(t
             valid = step_mask(batch, j)
             true = shift_left(batch.last, 1 + j)[valid].float()
             reg = float(F.smooth_l1_loss(out[valid], true))
-            ce = float(soft_cross_entropy(target_model.lm_head(out[valid]), torch.softmax(target_model.lm_head(true), -1)))
+            ce = float(soft_cross_entropy(target_model.lm_head(out[valid]),
+                                          torch.softmax(target_model.lm_head(true), -1)))
             want += 0.8**j * (reg + 0.1 * ce)
             first = want if j == 0 else first
             suffix = str(j) if j else ""
@@ -603,3 +624,31 @@ def test_two_processes_under_a_launcher(tmp_path, target_model, tok):
     assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
     assert load_head(out / "head").config.kind == "eagle1"
     assert len(list((tmp_path / "cache").iterdir())) == 1  # one feature store, written once
+
+
+def test_llamacpp_engine_without_its_package_names_the_pip_command(monkeypatch):
+    import eaglespec.train.data as data
+    from eaglespec.errors import MissingPackageError
+
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(MissingPackageError, match="pip install llama-cpp-python"):
+        data.llamacpp_generator("model.gguf", {0}, context=64)
+
+
+def test_self_distillation_decodes_each_answer_of_any_engine(tok, tmp_path):
+    # an engine is a function of (prompts' ids, max new tokens): answers come back in prompt order
+    prompts = [c[:1] for c in conversations(3, seed=4)]
+    word = tok.encode("hello", add_special_tokens=False)
+
+    def engine(batch, max_new_tokens):
+        assert max_new_tokens == 5 and all(isinstance(ids, list) and ids for ids in batch)
+        return [word * (1 + len(ids) % 2) for ids in batch]
+
+    out = tmp_path / "answers.jsonl"
+    assert self_distill(engine, tok, prompts, out, batch_size=2, max_new_tokens=5, progress=False) == 3
+    for record in map(json.loads, out.read_text().splitlines()):
+        prompt = prompts[int(record["id"])]
+        ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        assert record["conversations"][-1]["value"] == tok.decode(word * (1 + len(ids) % 2)).strip()
+        assert record["conversations"][0]["value"] == prompt[0]["content"]

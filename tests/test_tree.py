@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from eaglespec.tree import EAGLE1_CHOICES, DraftTree, chain, validate_choices
+from eaglespec.spec.tree import EAGLE1_CHOICES, DraftTree, chain, validate_choices
 
 #        0 (root, token 10)
 #       / \

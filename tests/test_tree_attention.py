@@ -7,14 +7,14 @@ skipped where it has neither or no C++ compiler exists."""
 import pytest
 import torch
 import torch.nn.functional as F
-
-from eaglespec import Engine, TreeSettings, bf16gemm
-from eaglespec.fastpath import FastTarget
-from eaglespec.tree import DraftTree
-
 from conftest import TinyTokenizer, make_cpu_model
 from test_engine import PROMPTS, random_head
 from test_fastpath import PROMPT, TREE
+
+from eaglespec import Engine, TreeSettings
+from eaglespec.backends.cpu import kernels as bf16gemm
+from eaglespec.spec.tree import DraftTree
+from eaglespec.targets.fast import FastTarget
 
 pytestmark = [
     pytest.mark.skipif(not bf16gemm.cpu_supported(), reason="this CPU has neither AVX-512 BF16 nor AVX2 + FMA"),

@@ -2,7 +2,8 @@
 layers) over c cached keys for n query rows with a chain mask: eaglespec's kernel (csrc/tree_attention.cpp) against
 torch's scaled_dot_product_attention (GQA, boolean mask), interleaved.
 
-    python benchmarks/microbench/attention_cost.py [--threads 2] [--contexts 100,400] [--rows 1,2,4,6,8,16] [--repeats 15]
+    python benchmarks/microbench/attention_cost.py [--threads 2] [--contexts 100,400] [--rows 1,2,4,6,8,16]
+        [--repeats 15]
 
 Prints the median milliseconds for all 30 layers: the kernel over a float32 cache, over a bfloat16 cache (the
 cache of a bfloat16 target under --compile), and torch's attention over the float32 cache.
@@ -15,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from eaglespec import bf16gemm
+from eaglespec.backends.cpu import kernels as bf16gemm
 
 p = argparse.ArgumentParser()
 p.add_argument("--threads", type=int, default=2)

@@ -11,8 +11,8 @@ attention (row_invariant=True), int8 and int4 (row by row by default).
 
 import torch
 
-from eaglespec.fastpath import FastTarget
 from eaglespec.models import load_target
+from eaglespec.targets.fast import FastTarget
 
 torch.set_num_threads(2)
 model, tokenizer = load_target("smollm2-135m", dtype="float32")

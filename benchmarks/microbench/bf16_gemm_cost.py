@@ -1,6 +1,7 @@
 """All matrix products of one SmolLM2-135M decode step (30 layers' fused QKV, O, gate/up and down, then the LM
 head; random bfloat16 weights of those shapes, 270 MB, more than the L3 cache) for M rows, through eaglespec's
-kernel (eaglespec.bf16gemm) and through oneDNN's packed products (eaglespec.packed), interleaved.
+kernel (eaglespec.backends.cpu.kernels) and through oneDNN's packed products (eaglespec.backends.cpu.packed),
+interleaved.
 
     python benchmarks/microbench/bf16_gemm_cost.py [--threads 2] [--rows 1,2,3,4,6,8,12,16] [--repeats 9]
 
@@ -13,7 +14,8 @@ import time
 
 import torch
 
-from eaglespec import bf16gemm, packed
+from eaglespec.backends.cpu import kernels as bf16gemm
+from eaglespec.backends.cpu import packed
 
 p = argparse.ArgumentParser()
 p.add_argument("--threads", type=int, default=2)

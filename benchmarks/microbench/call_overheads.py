@@ -12,8 +12,9 @@ import time
 
 import torch
 
-from eaglespec import Engine, TreeSettings, bf16gemm
-from eaglespec.compiled import compile_settings
+from eaglespec import Engine, TreeSettings
+from eaglespec.backends.cpu import kernels as bf16gemm
+from eaglespec.backends.cpu.compiled import compile_settings
 
 torch.set_num_threads(2)
 

@@ -17,9 +17,9 @@ from collections import defaultdict
 import torch
 
 from eaglespec import Engine, TreeSettings
-from eaglespec.autotree import CALIBRATION_PROMPTS
-from eaglespec.decode import SpecDecoder
 from eaglespec.drafters import Drafter, TreeGrowth
+from eaglespec.drafters.autotree import CALIBRATION_PROMPTS
+from eaglespec.spec.decode import SpecDecoder
 
 p = argparse.ArgumentParser()
 p.add_argument("--threads", type=int, default=2)

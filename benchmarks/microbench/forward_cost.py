@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from eaglespec.fastpath import FastTarget
 from eaglespec.models import load_target
+from eaglespec.targets.fast import FastTarget
 
 p = argparse.ArgumentParser()
 p.add_argument("--quantize", default=None)
@@ -23,9 +23,11 @@ p.add_argument("--dtype", default="float32")
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--profile", action="store_true")
 p.add_argument("--batched-attention", action="store_true", help="quantized: one batched attention call per layer")
-p.add_argument("--no-pack", action="store_true", help="leave the weights unpacked (F.linear), to see what packing gains")
+p.add_argument("--no-pack", action="store_true",
+               help="leave the weights unpacked (F.linear), to see what packing gains")
 p.add_argument("--attention-dtype", default=None, help="KV cache / attention dtype (default: the fast path's choice)")
-p.add_argument("--compile", action="store_true", help="decode steps through torch.compile (eaglespec.compiled)")
+p.add_argument("--compile", action="store_true",
+               help="decode steps through torch.compile (eaglespec.backends.cpu.compiled)")
 p.add_argument("--context", type=int, default=105, help="cached tokens before the timed forwards")
 p.add_argument("--sizes", default="1,2,4,8,16,32,64", help="comma-separated numbers of tokens per timed forward")
 args = p.parse_args()

@@ -4,12 +4,11 @@
     python benchmarks/microbench/forward_parts.py [--threads 2] [--context 300] [--rows 1,4] [--repeats 12] [--greedy]
 
 "products" runs the target's own packed products (the same weights, in the step's order: bfloat16 or, on AVX2, exact
-4-bit blocks, eaglespec.q4) on random rows, calling the operator directly (still ~1-3 us of Python a call more than
-the graph: "other" is a lower estimate); "LM head" is the full LM head's logits, or with --greedy (the steps greedy
-decoding runs, as the bench's) the screened greedy head (eaglespec.bf16gemm.GreedyHead);
-"attention" the decode-step attention kernel over the target's cache for 30 layers; "other" is the step's time
-left (norms, RoPE, cache writes, the compiled call, the Python around it). Needs the bfloat16 kernels (AVX-512 BF16
-or AVX2 + FMA).
+4-bit blocks, eaglespec.backends.cpu.q4) on random rows, calling the operator directly (still ~1-3 us of Python a call
+more than the graph: "other" is a lower estimate); "LM head" is the full LM head's logits, or with --greedy (the steps
+greedy decoding runs, as the bench's) the screened greedy head (eaglespec.backends.cpu.kernels.GreedyHead); "attention"
+the decode-step attention kernel over the target's cache for 30 layers; "other" is the step's time left (norms, RoPE,
+cache writes, the compiled call, the Python around it). Needs the bfloat16 kernels (AVX-512 BF16 or AVX2 + FMA).
 """
 
 import argparse
@@ -18,9 +17,9 @@ import time
 
 import torch
 
-from eaglespec import q4
-from eaglespec.fastpath import FastTarget
+from eaglespec.backends.cpu import q4
 from eaglespec.models import load_target
+from eaglespec.targets.fast import FastTarget
 
 p = argparse.ArgumentParser()
 p.add_argument("--threads", type=int, default=2)

@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from eaglespec import Engine, TreeSettings, bf16gemm
+from eaglespec import Engine, TreeSettings
+from eaglespec.backends.cpu import kernels as bf16gemm
 
 p = argparse.ArgumentParser()
 p.add_argument("--threads", type=int, default=2)
@@ -58,4 +59,5 @@ with torch.inference_mode():
             rows_i = x[(i * m) % (x.shape[0] - m):][:m].contiguous()
             plain.append(timed(lambda r: bf16gemm.argmax_rows(logits_head(r)), rows_i))
             screened.append(timed(greedy_head, rows_i))
-        print(f"{m} rows: logits + argmax {statistics.median(plain):.3f} ms, screened {statistics.median(screened):.3f} ms")
+        print(f"{m} rows: logits + argmax {statistics.median(plain):.3f} ms, "
+              f"screened {statistics.median(screened):.3f} ms")

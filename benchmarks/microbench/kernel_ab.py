@@ -1,7 +1,7 @@
 """eaglespec's C++ kernels at an older git revision against the working tree's, interleaved in one process.
 
-    python benchmarks/microbench/kernel_ab.py --rev 290bbfc [--threads 2] [--rows 1,4,6,8,12,16] [--contexts 100,250,400]
-        [--variant 1]
+    python benchmarks/microbench/kernel_ab.py --rev 290bbfc [--threads 2] [--rows 1,4,6,8,12,16]
+        [--contexts 100,250,400] [--variant 1]
 
 Each version of csrc/bf16_gemm.cpp and csrc/tree_attention.cpp is built as its own extension under its own operator
 namespace (eaglespec_ab_old, eaglespec_ab_new), so both run side by side on the same inputs:
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load
 
-from eaglespec.bf16gemm import ISAS
+from eaglespec.backends.cpu.kernels import ISAS
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = list(ISAS["avx512"].flags)  # these are the AVX-512 build's sources: an AVX-512 BF16 CPU is needed
@@ -38,7 +38,8 @@ p.add_argument("--rows", default="1,4,6,8,12,16")
 p.add_argument("--contexts", default="100,250,400")
 p.add_argument("--repeats", type=int, default=15)
 p.add_argument("--variant", type=int, default=0,
-               help="the products' multiply loop in both versions (0 vdpbf16ps, 1 float32 FMA; 1 needs both to have it)")
+               help="the products' multiply loop in both versions (0 vdpbf16ps, 1 float32 FMA; "
+                    "1 needs both to have it)")
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 

@@ -1,4 +1,5 @@
-"""The bfloat16 kernel's two multiply loops (vdpbf16ps and float32 FMAs, `eaglespec.bf16gemm.VARIANTS`), interleaved.
+"""The bfloat16 kernel's two multiply loops (vdpbf16ps and float32 FMAs, `eaglespec.backends.cpu.kernels.VARIANTS`),
+interleaved.
 
     python benchmarks/microbench/kernel_variants.py [--threads 2] [--rows 1,2,4,6,8,10,12,16] [--repeats 7]
 
@@ -15,7 +16,7 @@ import time
 
 import torch
 
-from eaglespec import bf16gemm
+from eaglespec.backends.cpu import kernels as bf16gemm
 
 p = argparse.ArgumentParser()
 p.add_argument("--threads", type=int, default=2)

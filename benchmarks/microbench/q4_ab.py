@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 
 import torch
+from step_matrices import step_matrices
 from torch.utils.cpp_extension import load
 
-from eaglespec import bf16gemm, q4
-from step_matrices import step_matrices
+from eaglespec.backends.cpu import kernels as bf16gemm
+from eaglespec.backends.cpu import q4
 
 SOURCE = "src/eaglespec/csrc/avx2/q4_gemm.cpp"
 ROOT = Path(__file__).resolve().parents[2]

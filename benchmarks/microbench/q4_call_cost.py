@@ -1,5 +1,5 @@
-"""One 4-bit block product (eaglespec.q4) of one row, called from Python, for the first N columns of SmolLM2-135M's
-first gate/up matrix (held in cache: the same matrix again and again), on 1 and on 2 threads, alternated.
+"""One 4-bit block product (eaglespec.backends.cpu.q4) of one row, called from Python, for the first N columns of
+SmolLM2-135M's first gate/up matrix (held in cache: the same matrix again and again), on 1 and on 2 threads, alternated.
 
     python benchmarks/microbench/q4_call_cost.py [--columns 64,256,1024,3072] [--calls 200] [--rounds 30]
 
@@ -12,9 +12,10 @@ import statistics
 import time
 
 import torch
-
-from eaglespec import bf16gemm, q4
 from step_matrices import step_matrices
+
+from eaglespec.backends.cpu import kernels as bf16gemm
+from eaglespec.backends.cpu import q4
 
 p = argparse.ArgumentParser()
 p.add_argument("--columns", default="64,256,1024,3072")

@@ -1,7 +1,7 @@
 """The layer products of one SmolLM2-135M decode step (30 layers' fused QKV, O, gate/up and down: the real weights of
 the default model, read back as float32 from its converted GGUF folder) for M rows, through the exact 4-bit block
-kernel (eaglespec.q4, 66 MB) and the bfloat16 kernel (eaglespec.bf16gemm, 212 MB), interleaved. Either build
-(AVX2, AVX-512).
+kernel (eaglespec.backends.cpu.q4, 66 MB) and the bfloat16 kernel (eaglespec.backends.cpu.kernels, 212 MB), interleaved.
+Either build (AVX2, AVX-512).
 
     python benchmarks/microbench/q4_cost.py [--threads 2] [--rows 1,2,3,4,6,8] [--repeats 9]
 
@@ -13,9 +13,10 @@ import statistics
 import time
 
 import torch
-
-from eaglespec import bf16gemm, q4
 from step_matrices import step_matrices
+
+from eaglespec.backends.cpu import kernels as bf16gemm
+from eaglespec.backends.cpu import q4
 
 p = argparse.ArgumentParser()
 p.add_argument("--threads", type=int, default=2)

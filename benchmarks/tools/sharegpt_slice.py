@@ -3,7 +3,8 @@
 the target's own distribution, only the contexts are not the target's).
 
 Keeps conversations that open with a user turn, have an assistant answer and are mostly ASCII text (the default
-model is English-first). Example: python benchmarks/tools/sharegpt_slice.py --offset 0 --limit 3000 --out runs/heads/data/sharegpt-raw.jsonl
+model is English-first). Example:
+python benchmarks/tools/sharegpt_slice.py --offset 0 --limit 3000 --out runs/heads/data/sharegpt-raw.jsonl
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Print what `--tree auto` measured and chose for a model + head, as Markdown (calibrates if not cached).
 
-    python benchmarks/tools/tree_auto_table.py [--head DIR] [--method eagle2|chain] [--dtype float32] [--compile] [--threads 2]
+    python benchmarks/tools/tree_auto_table.py [--head DIR] [--method eagle2|chain] [--dtype float32] [--compile]
+        [--threads 2]
 """
 
 import argparse

@@ -3,8 +3,8 @@
 A bench folder's vanilla rows hold plain decoding's answers (greedy, token for token). At every `--stride`-th answer
 position the head drafts one large tree (depth 10, top_k 10) and every node is marked accepted when its path equals
 the answer's continuation; each smaller setting's accepted length (bonus included) is then replayed exactly from
-that tree (`eaglespec.autotree.Candidates`). It measures drafting quality only (no timing): use it to compare heads
-or tree shapes in minutes, then confirm with `eaglespec bench`, whose tau counts the positions decoding lands on.
+that tree (`eaglespec.drafters.autotree.Candidates`). It measures drafting quality only (no timing): use it to compare
+heads or tree shapes in minutes, then confirm with `eaglespec bench`, whose tau counts the positions decoding lands on.
 
     python benchmarks/tools/tree_tau.py --reference benchmarks/runs/2026-11-22-float32 \
         --head src/eaglespec/shipped_heads/smollm2-135m-eagle1 --questions 16 --threads 2
@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 
 from eaglespec import Engine, TreeSettings
-from eaglespec.autotree import record_candidates
 from eaglespec.bench.datasets import load_questions
+from eaglespec.drafters.autotree import record_candidates
 
-SETTINGS = ((2, 1, 1), (3, 2, 1), (3, 1, 2), (4, 2, 4), (6, 2, 4), (6, 3, 4), (8, 3, 4), (16, 5, 4), (24, 6, 6), (32, 6, 8), (48, 7, 8), (60, 6, 10), (60, 8, 10), (64, 10, 10))
+SETTINGS = ((2, 1, 1), (3, 2, 1), (3, 1, 2), (4, 2, 4), (6, 2, 4), (6, 3, 4), (8, 3, 4), (16, 5, 4), (24, 6, 6),
+            (32, 6, 8), (48, 7, 8), (60, 6, 10), (60, 8, 10), (64, 10, 10))
 
 
 def main() -> None:

@@ -1,13 +1,13 @@
 """eaglespec: lossless EAGLE speculative decoding for transformers causal language models."""
 
 from .api import Engine, GenerationResult, generate
-from .decode import Finished, GenerationStats, SpecDecoder, Step
 from .drafters import Drafter, EagleDrafter, TreeSettings, VanillaDrafter
 from .errors import EagleSpecError
 from .models import DEFAULT_MODEL, load_target
-from .target import TargetModel
-from .tree import DraftTree
-from .verify import SamplingParams
+from .spec.decode import Finished, GenerationStats, SpecDecoder, Step
+from .spec.tree import DraftTree
+from .spec.verify import SamplingParams
+from .targets.hf import TargetModel
 
 __version__ = "0.1.0"
 

@@ -14,16 +14,18 @@ from pathlib import Path
 
 import torch
 
-from .adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
-from .decode import Finished, GenerationStats, SpecDecoder, Step
-from .drafters import HEAD_METHODS, METHODS, Drafter, EagleDrafter, TreeSettings, VanillaDrafter
+from .backends.cpu import kernels as cpu_kernels
+from .backends.cpu.apply import eagle_drafter
+from .backends.cpu.quant import check_mode
+from .drafters import HEAD_METHODS, METHODS, Drafter, TreeSettings, VanillaDrafter
 from .errors import EagleSpecError
-from .fastpath import make_target
 from .heads import DraftHead, check_head_fits, load_head
 from .models import DEFAULT_MODEL, load_target, shipped_head_dir
 from .platform import parse_device, parse_dtype
-from .quant import check_mode
-from .verify import SamplingParams
+from .spec.adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
+from .spec.decode import Finished, GenerationStats, SpecDecoder, Step
+from .spec.verify import SamplingParams
+from .targets.fast import make_target
 
 Prompt = str | list[dict]
 MODES = {"eagle2": "dynamic", "eagle1": "static", "chain": "chain"}
@@ -62,10 +64,10 @@ class Engine:
         subset, None = the head's default, 0 = the full vocabulary. `dtype` "auto": bfloat16 on a GPU or a CPU with
         native bfloat16 (and with `compile` on a CPU with AVX2, where eaglespec's kernels read bfloat16 weights),
         float32 elsewhere. `adapt`: with tree="auto", switch between drafting and plain decoding during
-        generation, whichever the last rounds measured faster (eaglespec.adaptive; False: always draft). `quantize`:
-        "int8" / "int4" weight-only target on CPU (changes the model; output stays lossless w.r.t. it). `exact`:
-        verify passes bit-identical to one-token steps, so greedy output equals plain decoding's token for token;
-        None (the default) = on wherever the fast path runs on a CPU (free with eaglespec's kernels, row-by-row
+        generation, whichever the last rounds measured faster (eaglespec.spec.adaptive; False: always draft).
+        `quantize`: "int8" / "int4" weight-only target on CPU (changes the model; output stays lossless w.r.t. it).
+        `exact`: verify passes bit-identical to one-token steps, so greedy output equals plain decoding's token for
+        token; None (the default) = on wherever the fast path runs on a CPU (free with eaglespec's kernels, row-by-row
         attention elsewhere), off on a GPU (see `fastpath.make_target`). `device`: "auto" (the first CUDA GPU torch
         sees, else the CPU), "cpu", "cuda" or "cuda:N".
         `compile`: the target's decode steps through torch.compile (fast path; tens of seconds at start)."""
@@ -74,9 +76,8 @@ class Engine:
         if method == "sps" and not draft_model:
             raise EagleSpecError("method 'sps' needs a smaller draft model sharing the tokenizer: pass --draft-model")
         device = parse_device(device)
-        from . import bf16gemm  # (dtype auto: bfloat16 wherever eaglespec's bfloat16 kernels run)
-
-        dtype = parse_dtype(dtype, device, bf16_kernels=bf16gemm.available(torch.bfloat16, device))
+        # (dtype auto: bfloat16 wherever eaglespec's bfloat16 kernels run)
+        dtype = parse_dtype(dtype, device, bf16_kernels=cpu_kernels.available(torch.bfloat16, device))
         hf_model, tokenizer = load_target(model, dtype=dtype, device=device)
         self.notice = ""
         head_module = None
@@ -134,7 +135,7 @@ class Engine:
         self.decoder = SpecDecoder(self.target, tokenizer, self._make_drafter(method, head, settings, head_name))
         self.tree_choice = None
         if tree in ("auto", "calibrate") and method in ("eagle2", "chain") and head is not None:
-            from .autotree import auto_tree
+            from .drafters.autotree import auto_tree
 
             choice = self.tree_choice = auto_tree(self, calibrate=tree == "calibrate")
             self.notice = "; ".join(filter(None, [self.notice, choice.summary()]))
@@ -149,20 +150,18 @@ class Engine:
                       head_name: str) -> Drafter:
         if head is not None:
             check_head_fits(head, self.target, head_name)
-            drafter = EagleDrafter(head, self.target.embed_tokens, self.target.lm_head, MODES[method], tree,
-                                   compile=bool(getattr(self.target, "compiled", False)),
-                                   kernels=bool(getattr(self.target, "bf16_gemm", False)))
-            if getattr(self.target, "pack", False) and hasattr(drafter.head, "share_packed_lm_head"):
-                drafter.head.share_packed_lm_head(self.target.lm_head.weight, self.target.logits_head)
-            return drafter
+            return eagle_drafter(head, self.target.embed_tokens, self.target.lm_head, MODES[method], tree,
+                                 compile=bool(getattr(self.target, "compiled", False)),
+                                 use_kernels=bool(getattr(self.target, "bf16_gemm", False)),
+                                 target_logits=self.target.logits_head if getattr(self.target, "pack", False) else None)
         if method == "pld":
-            from .lookup import PromptLookupDrafter
+            from .drafters.lookup import PromptLookupDrafter
 
             return PromptLookupDrafter(tree)
         if method == "sps":
-            from .sps import DraftModelDrafter
+            from .drafters.draft_model import DraftModelDrafter
 
-            return DraftModelDrafter(self.draft_hf_model, tree)
+            return DraftModelDrafter(make_target(self.draft_hf_model, feature_kind=None, exact=False), tree)
         return VanillaDrafter()
 
     @property

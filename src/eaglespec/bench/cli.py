@@ -117,13 +117,20 @@ def _head_dirs(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from .. import bf16gemm
-    from ..decode import eos_ids_of
+    from ..backends.cpu import kernels as cpu_kernels
     from ..cli import tree_from_args
     from ..models import load_target
     from ..platform import parse_device, parse_dtype
+    from ..spec.decode import eos_ids_of
     from .datasets import load_questions, select
-    from .methods import MethodContext, Sampling, build_methods, parse_methods, parse_sweep, unavailable_reason
+    from .methods import (
+        MethodContext,
+        Sampling,
+        build_methods,
+        parse_methods,
+        parse_sweep,
+        unavailable_reason,
+    )
     from .report import write_report
     from .runner import RESULTS, BenchConfig, run_benchmark
 
@@ -141,7 +148,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     head, head3 = _head_dirs(args)
 
     device = parse_device(args.device)
-    dtype = parse_dtype(args.dtype, device, bf16_kernels=bf16gemm.available(torch.bfloat16, device))
+    dtype = parse_dtype(args.dtype, device, bf16_kernels=cpu_kernels.available(torch.bfloat16, device))
     model, tokenizer = load_target(args.model, dtype=dtype, device=device)
     draft = load_target(args.draft_model, dtype=dtype, device=device)[0] if args.draft_model else None
     ctx = MethodContext(model=model, tokenizer=tokenizer, model_name=args.model, tree=tree, head_dir=head,
@@ -183,9 +190,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   "draft_model": args.draft_model, "categories": args.categories, "limit": args.limit,
                   "per_category": args.per_category, "turns": args.turns,
                   # the bfloat16 kernel's build and multiply loop on this machine, where our target runs on the kernel
-                  "bf16_kernel": (f"{bf16gemm.isa().name} {bf16gemm.variant()}"
+                  "bf16_kernel": (f"{cpu_kernels.isa().name} {cpu_kernels.variant()}"
                                   if getattr(engine.target, "bf16_gemm", False) else None),
-                  # layer matrices read as exact 4-bit blocks (eaglespec.q4), of 4 per layer
+                  # layer matrices read as exact 4-bit blocks (eaglespec.backends.cpu.q4), of 4 per layer
                   "q4_matrices": getattr(engine.target, "q4_matrices", 0)},
     )
     print(f"bench: {len(questions)} questions, methods {', '.join(m.name for m in methods)} -> {out}",

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from ..adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
 from ..drafters import TreeSettings
 from ..errors import EagleSpecError, MissingPackageError
+from ..spec.adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
 from .base import BenchMethod, LoopMethod, RunOutput, Sampling, cut_after_eos
 from .oracle import OracleMethod
 
@@ -129,18 +129,18 @@ class MethodContext:
     model: object  # transformers causal LM (the target)
     tokenizer: object
     model_name: str  # registry name or path (for llama.cpp's GGUF file)
-    tree: TreeSettings | str  # or "auto" (calibrated per head, see eaglespec.autotree)
+    tree: TreeSettings | str  # or "auto" (calibrated per head, see eaglespec.drafters.autotree)
     head_dir: Path | None = None  # EAGLE head for eagle2 / eagle1 / chain
     head3_dir: Path | None = None  # EAGLE-3 head for eagle3
     draft_model: object | None = None  # sps and hf-assisted
     dtype: torch.dtype = torch.float32
     threads: int = 1
     eos_ids: list[int] = field(default_factory=list)
-    backend: str = "auto"  # our loop's target backend (see eaglespec.fastpath)
+    backend: str = "auto"  # our loop's target backend (see eaglespec.targets.fast)
     draft_vocab: int | None = None  # EAGLE-1 head drafting subset (None = the head's default, 0 = full)
-    quantize: str | None = None  # our loop's weight-only target quantization (see eaglespec.quant)
+    quantize: str | None = None  # our loop's weight-only target quantization (see eaglespec.backends.cpu.quant)
     exact: bool | None = None  # verify rows bit-identical to one-token steps (None: on a CPU; fastpath.make_target)
-    compile: bool = False  # our loop's target decode steps through torch.compile (eaglespec.compiled)
+    compile: bool = False  # our loop's target decode steps through torch.compile (eaglespec.backends.cpu.compiled)
     adapt: bool = False  # with tree auto: also time each tree-auto method adaptively ("<method>+adapt")
 
 
@@ -233,7 +233,8 @@ def peer_model(model):
     return model
 
 
-def build_methods(names: list[str], ctx: MethodContext, sweep: tuple[str, list[int]] | None = None) -> list[BenchMethod]:
+def build_methods(names: list[str], ctx: MethodContext,
+                  sweep: tuple[str, list[int]] | None = None) -> list[BenchMethod]:
     """Method objects for `names` (vanilla is always included, first: it is the speedup denominator and the
     reference output). A swept tree setting turns each method it affects into one variant per value."""
     from ..api import Engine

@@ -13,15 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import EagleSpecError
-from .datasets import parse_json_line
 from .base import RunOutput
+from .datasets import parse_json_line
 
 REQUIRED_FIELDS = {
     "method": str, "variant": str, "kind": str, "question_id": (str, int), "category": str, "turn": int,
     "new_tokens": int, "wall_time": (int, float), "tokens_per_s": (int, float),
 }
-OPTIONAL_NUMBER_FIELDS = ("tau", "speedup", "target_forwards", "drafted_forwards", "draft_time", "verify_time", "prefill_time",
-                          "peak_rss_mb", "wall_time_min", "wall_time_max")
+OPTIONAL_NUMBER_FIELDS = ("tau", "speedup", "target_forwards", "drafted_forwards", "draft_time", "verify_time",
+                          "prefill_time", "peak_rss_mb", "wall_time_min", "wall_time_max")
 
 
 def representative(runs: list[RunOutput]) -> int:

@@ -14,15 +14,15 @@ from torch import Tensor
 
 from ..drafters import Drafter, TreeSettings
 from ..errors import EagleSpecError
-from ..tree import DraftTree, chain
+from ..spec.tree import DraftTree, chain
 from .base import LoopMethod, RunOutput, Sampling
 
 Answers = dict[tuple[tuple[int, ...], int], list[int]]  # (prompt ids, max_new_tokens) -> plain greedy answer
 
 
 class OracleDrafter(Drafter):
-    """Proposes the `settings.depth` tokens that follow the committed ones in `sequence` (prompt + known answer); the root
-    alone where the committed tokens have left it or it has no more tokens."""
+    """Proposes the `settings.depth` tokens that follow the committed ones in `sequence` (prompt + known answer); the
+    root alone where the committed tokens have left it or it has no more tokens."""
 
     name = "oracle"
 

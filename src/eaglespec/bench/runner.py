@@ -18,9 +18,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..errors import EagleSpecError
+from .base import BenchMethod, RunOutput, Sampling
 from .datasets import Question
 from .machine import PeakMemory, describe_machine
-from .base import BenchMethod, RunOutput, Sampling
 from .metrics import make_row
 
 RESULTS = "results.jsonl"

@@ -56,7 +56,8 @@ class DraftHead(nn.Module):
         prefix: tuple[Tensor, Tensor] | None = None
         diagonal: list[tuple[Tensor, Tensor]] = []
         for j in range(steps):
-            embeds = next_embeds if j == 0 else torch.cat([next_embeds[:, j:], next_embeds.new_zeros(b, j, next_embeds.shape[-1])], 1)
+            embeds = next_embeds if j == 0 else torch.cat(
+                [next_embeds[:, j:], next_embeds.new_zeros(b, j, next_embeds.shape[-1])], 1)
             x, residual = self.layer_inputs(hidden, embeds)
             out, kv = layer.forward_unrolled(x, residual, self.rope(positions + j, x.dtype), prefix, diagonal)
             if prefix is None:

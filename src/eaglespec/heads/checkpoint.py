@@ -7,8 +7,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError, EagleSpecError, HeadMismatchError
@@ -54,7 +53,8 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
                 return load_file(str(path))
             return torch.load(path, map_location="cpu", weights_only=True)
         except (SafetensorError, RuntimeError, OSError, ValueError, EOFError) as exc:
-            raise CheckpointError(f"head weights '{path}' are corrupt or unreadable ({exc}); re-export the head") from exc
+            raise CheckpointError(
+                f"head weights '{path}' are corrupt or unreadable ({exc}); re-export the head") from exc
     raise CheckpointError(f"no head weights in '{folder}' (expected one of {', '.join(WEIGHT_FILES)})")
 
 
@@ -78,9 +78,11 @@ def read_draft_vocab(folder: str | Path) -> tuple[torch.Tensor, int] | None:
             ranked = f.get_tensor("ranked_ids")
             default = int((f.metadata() or {}).get("default_size", ranked.numel()))
     except (SafetensorError, RuntimeError, OSError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"'{path}' is corrupt or unreadable ({exc}); delete it to draft over the full vocabulary") from exc
+        raise CheckpointError(
+            f"'{path}' is corrupt or unreadable ({exc}); delete it to draft over the full vocabulary") from exc
     if ranked.dim() != 1 or ranked.dtype != torch.long or not 0 < default <= ranked.numel():
-        raise CheckpointError(f"'{path}' is malformed: expected 1-D int64 'ranked_ids' and 0 < default_size <= its length")
+        raise CheckpointError(
+            f"'{path}' is malformed: expected 1-D int64 'ranked_ids' and 0 < default_size <= its length")
     return ranked, default
 
 

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import packed
 from .base import DraftHead
 from .config import HeadConfig
 from .layer import DecoderLayer
@@ -29,8 +28,8 @@ class Eagle1Head(DraftHead):
         self.register_buffer("vocab_ids", None, persistent=False)
         # ((weight storage, dtype, packer), [T, d] -> [T, Vd] product with the LM head's rows of the draft vocabulary)
         self._rows: tuple[tuple, Callable[[Tensor], Tensor]] | None = None
-        # How those rows are packed in inference mode: None = oneDNN where it applies (eaglespec.packed); the drafter
-        # sets eaglespec's kernels under --compile (eaglespec.bf16gemm.Bf16Linear / Int8Linear)
+        # How those rows are packed in inference mode: None = a plain product; the CPU backend sets oneDNN packing or
+        # eaglespec's kernels (eaglespec.backends.cpu.apply.eagle_drafter)
         self.pack_rows: Callable[[Tensor, Tensor | None], Callable[[Tensor], Tensor]] | None = None
 
     def set_draft_vocab(self, target_ids: Tensor | None) -> None:
@@ -59,8 +58,8 @@ class Eagle1Head(DraftHead):
 
     def logits(self, hidden: Tensor, target_lm_head: nn.Module) -> Tensor:
         """[T, d] -> [T, Vd] (Vd = V without a draft vocabulary). In inference mode on a CPU the rows are packed
-        once, for the drafter's kernel or oneDNN (`_row_packer`): a draft step multiplies a few rows, where that is
-        2-3x faster than torch's product."""
+        once with `pack_rows` (set by the CPU backend: its kernel or oneDNN): a draft step multiplies a few rows,
+        where that is 2-3x faster than torch's product."""
         weight = target_lm_head.weight  # [V, d]
         pack = self._row_packer(weight)
         if self.vocab_ids is None and pack is None:
@@ -77,18 +76,14 @@ class Eagle1Head(DraftHead):
 
     def _row_packer(self, weight: Tensor) -> Callable[[Tensor, Tensor | None], Callable[[Tensor], Tensor]] | None:
         """How to pack the LM head's rows for this call: only in inference mode (training needs their gradient
-        path), with the drafter's kernel if it set one, else oneDNN where it applies, else not at all."""
-        if not torch.is_inference_mode_enabled():
-            return None
-        if self.pack_rows is not None:
-            return self.pack_rows
-        return packed.pack if packed.available(weight.dtype, weight.device) else None
+        path), with `pack_rows` where the backend set it, else not at all."""
+        return self.pack_rows if torch.is_inference_mode_enabled() else None
 
     def share_packed_lm_head(self, weight: Tensor, project: Callable[[Tensor], Tensor]) -> None:
         """Draft over the full vocabulary with the target's own packed LM head (`project`, packed from `weight`)
         instead of packing a second copy of it. A later set_draft_vocab drops it."""
-        if self.vocab_ids is None:
-            self._rows = ((weight.data_ptr(), weight.dtype, packed.pack), project)
+        if self.vocab_ids is None and self.pack_rows is not None:
+            self._rows = ((weight.data_ptr(), weight.dtype, self.pack_rows), project)
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         return draft_ids if self.vocab_ids is None else self.vocab_ids[draft_ids]

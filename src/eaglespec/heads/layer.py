@@ -133,8 +133,10 @@ class Attention(nn.Module):
         else:
             rep = s.num_attention_heads // s.num_key_value_heads
             k0, v0 = (z.repeat_interleave(rep, dim=1) for z in prefix)  # [B, H, T, hd]
-            diag_k = torch.stack([dk.repeat_interleave(rep, dim=1) for dk, _ in diagonal] + [k.repeat_interleave(rep, 1)], -2)
-            diag_v = torch.stack([dv.repeat_interleave(rep, dim=1) for _, dv in diagonal] + [v.repeat_interleave(rep, 1)], -2)
+            diag_k = torch.stack(
+                [dk.repeat_interleave(rep, dim=1) for dk, _ in diagonal] + [k.repeat_interleave(rep, 1)], -2)
+            diag_v = torch.stack(
+                [dv.repeat_interleave(rep, dim=1) for _, dv in diagonal] + [v.repeat_interleave(rep, 1)], -2)
             scale = s.head_dim ** -0.5
             causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             scores0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [B, H, T, T]

@@ -28,11 +28,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..decode import Step
 from ..errors import EagleSpecError
-from ..verify import SamplingParams
+from ..spec.decode import Step
+from ..spec.verify import SamplingParams
 from .metrics import ServerMetrics
-from .schemas import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_request
+from .schemas import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    parse_request,
+)
 from .worker import Cancelled, Done, GenerationParams, GenerationWorker, Job
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"

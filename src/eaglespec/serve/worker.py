@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..decode import Finished, Step
 from ..errors import EagleSpecError
+from ..spec.decode import Finished, Step
 from .metrics import ServerMetrics
 from .schemas import APIError
 

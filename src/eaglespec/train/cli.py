@@ -27,7 +27,6 @@ def _device_arg(p: argparse.ArgumentParser) -> None:
 def cmd_data(args: argparse.Namespace) -> int:
     import torch
 
-    from ..models import load_target
     from .data import first_prompts, read_conversations, self_distill
 
     if args.threads:
@@ -38,12 +37,29 @@ def cmd_data(args: argparse.Namespace) -> int:
         prompts = prompts[: args.limit]
     if not prompts:
         raise EagleSpecError("no prompts left to answer (check --offset / --limit and the source file)")
-    model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device)
-    print(f"self-distillation: {len(prompts)} prompts -> {args.out}", file=sys.stderr)
-    n = self_distill(model, tokenizer, prompts, args.out, batch_size=args.batch_size,
+    generate, tokenizer = _answer_engine(args)
+    print(f"self-distillation ({args.engine}): {len(prompts)} prompts -> {args.out}", file=sys.stderr)
+    n = self_distill(generate, tokenizer, prompts, args.out, batch_size=args.batch_size,
                      max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
     print(f"{n} answers in {args.out}", file=sys.stderr)
     return 0
+
+
+def _answer_engine(args: argparse.Namespace):
+    """(batch generator, tokenizer) of `train data --engine`."""
+    from ..models import load_target, load_tokenizer, resolve_model
+    from .data import llamacpp_generator, transformers_generator
+
+    if args.engine == "transformers":
+        model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device)
+        return transformers_generator(model, tokenizer), tokenizer
+    folder, gguf = resolve_model(args.model)
+    if gguf is None:
+        raise EagleSpecError("--engine llamacpp runs a GGUF file: give a registry name or a .gguf path as --model")
+    tokenizer, stop_ids = load_tokenizer(args.model)
+    generate = llamacpp_generator(folder / gguf, stop_ids, context=args.max_prompt_tokens + args.max_new_tokens + 8,
+                                  threads=args.threads)
+    return generate, tokenizer
 
 
 def register(subparsers, model_options=None, sampling_options=None) -> None:
@@ -61,7 +77,11 @@ def register(subparsers, model_options=None, sampling_options=None) -> None:
     d.add_argument("--batch-size", type=int, default=16)
     d.add_argument("--max-new-tokens", type=int, default=256)
     d.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
-    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights of the transformers engine")
+    d.add_argument("--engine", default="transformers", choices=["transformers", "llamacpp"],
+                   help="what writes the answers: transformers (batched, any model) or llama.cpp on the GGUF file "
+                        "itself (pip install llama-cpp-python; about 2-3x faster on a CPU)")
     d.set_defaults(func=cmd_data)
     register_head(sub)
     register_eval(sub)
@@ -102,7 +122,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from ..heads import check_head_fits, load_head
     from ..models import load_target
-    from ..target import TargetModel
+    from ..targets.hf import TargetModel
     from .data import encode_dataset, read_conversations
     from .evaluate import draft_accuracy, format_accuracy
     from .features import OnlineFeatures
@@ -175,10 +195,12 @@ def register_head(sub) -> None:
     h.add_argument("--weight-decay", type=float, default=0.0)
     h.add_argument("--grad-clip", type=float, default=0.5)
     h.add_argument("--noise", type=float, default=None, help="input feature noise (default 0.1 EAGLE-1, 0 EAGLE-3)")
-    h.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3 reduced vocabulary size; EAGLE-1: the drafting subset written beside the head")
+    h.add_argument("--draft-vocab-size", type=int, default=8192,
+                   help="EAGLE-3 reduced vocabulary size; EAGLE-1: the drafting subset written beside the head")
     h.add_argument("--ce-vocab", choices=["full", "draft"], default="full",
-                   help="EAGLE-1 soft cross-entropy over the full vocabulary (the paper) or over the --draft-vocab-size "
-                        "most frequent answer tokens it drafts from (several times cheaper on a CPU)")
+                   help="EAGLE-1 soft cross-entropy over the full vocabulary (the paper) or over the "
+                        "--draft-vocab-size most frequent answer tokens it drafts from "
+                        "(several times cheaper on a CPU)")
     h.add_argument("--ttt-steps", type=int, default=None,
                    help="training-time test: unrolled draft steps per slot, step j feeding back the head's own output, "
                         "weighted 0.8^j (default 7 for EAGLE-3 as in its paper; 1 for EAGLE-1, the EAGLE-1 paper's "

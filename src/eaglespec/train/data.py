@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,8 +141,70 @@ def _done_ids(out_path: Path) -> set[str]:
     return done
 
 
+# A batch generator for self-distillation: prompts' token ids -> each prompt's new token ids (greedy, up to
+# `max_new_tokens`, stopping at an end-of-sequence token, which may or may not be included).
+BatchGenerator = Callable[[list[list[int]], int], list[list[int]]]
+
+LLAMA_CPP_PIP = "pip install llama-cpp-python"
+
+
+def transformers_generator(model, tokenizer) -> BatchGenerator:
+    """Greedy answers from a transformers model, a batch per `generate` call (left padded)."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise EagleSpecError("the tokenizer has neither a pad nor an eos token; cannot batch generation")
+    device = next(model.parameters()).device
+
+    def generate(batch: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        width = max(len(ids) for ids in batch)
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, T], left padded
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, ids in enumerate(batch):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            attention[row, width - len(ids) :] = 1
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention.to(device), do_sample=False,
+                max_new_tokens=max_new_tokens, pad_token_id=pad_id, temperature=None, top_p=None, top_k=None,
+            )  # [B, width + new]
+        return [out[row, width:].tolist() for row in range(len(batch))]
+
+    return generate
+
+
+def llamacpp_generator(gguf_path: str | Path, stop_ids: set[int], context: int, threads: int | None = None
+                       ) -> BatchGenerator:
+    """Greedy answers from llama.cpp (llama-cpp-python) running the GGUF file itself, one prompt at a time: on a
+    CPU its quantized products make it the fastest way to have a GGUF model write its training answers. The text
+    is the model's own (the same weights), though not bit for bit what eaglespec's dequantized copy would write."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise MissingPackageError("the llamacpp engine (package llama-cpp-python)", LLAMA_CPP_PIP)
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf_path), n_ctx=context, n_threads=threads or torch.get_num_threads(),
+                n_batch=512, verbose=False)
+    stops = set(stop_ids) | {llm.token_eos()}
+
+    def generate(batch: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        answers = []
+        for ids in batch:
+            llm.reset()
+            new: list[int] = []
+            for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                                      reset=True):
+                if token in stops:
+                    break
+                new.append(token)
+                if len(new) >= max_new_tokens:
+                    break
+            answers.append(new)
+        return answers
+
+    return generate
+
+
 def self_distill(
-    model,
+    generate: BatchGenerator,
     tokenizer,
     prompts: list[Conversation],
     out_path: str | Path,
@@ -151,9 +213,9 @@ def self_distill(
     max_prompt_tokens: int = 512,
     progress: bool = True,
 ) -> int:
-    """Have the target answer `prompts` greedily and append {"id", "conversations"} records to `out_path`
-    (JSONL, ShareGPT layout). Resumable: prompts whose id is already in the file are skipped. Returns the number
-    of records in the file."""
+    """Have the target answer `prompts` greedily through `generate` (`transformers_generator`,
+    `llamacpp_generator`) and append {"id", "conversations"} records to `out_path` (JSONL, ShareGPT layout).
+    Resumable: prompts whose id is already in the file are skipped. Returns the number of records in the file."""
     from tqdm import tqdm
 
     out_path = Path(out_path)
@@ -171,28 +233,14 @@ def self_distill(
             todo.append((pid, list(ids), prompt))
     # Similar lengths in a batch waste less padding; the order is deterministic so resuming is exact.
     todo.sort(key=lambda item: (len(item[1]), int(item[0])))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad_id is None:
-        raise EagleSpecError("the tokenizer has neither a pad nor an eos token; cannot batch generation")
-    device = next(model.parameters()).device
     bar = tqdm(total=len(done) + len(todo), initial=len(done), desc="self-distillation", unit="answer",
                disable=not progress)
     with out_path.open("a", encoding="utf-8") as f:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
-            width = max(len(ids) for _, ids, _ in batch)
-            input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, T], left padded
-            attention = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, (_, ids, _) in enumerate(batch):
-                input_ids[row, width - len(ids) :] = torch.tensor(ids)
-                attention[row, width - len(ids) :] = 1
-            with torch.inference_mode():
-                out = model.generate(
-                    input_ids=input_ids.to(device), attention_mask=attention.to(device), do_sample=False,
-                    max_new_tokens=max_new_tokens, pad_token_id=pad_id, temperature=None, top_p=None, top_k=None,
-                )
-            for row, (pid, _, prompt) in enumerate(batch):
-                answer = tokenizer.decode(out[row, width:], skip_special_tokens=True).strip()
+            answers = generate([ids for _, ids, _ in batch], max_new_tokens)
+            for (pid, _, prompt), new_ids in zip(batch, answers):
+                answer = tokenizer.decode(new_ids, skip_special_tokens=True).strip()
                 record = {"id": pid, "conversations": [
                     *({"from": "system" if m["role"] == "system" else "human", "value": m["content"]} for m in prompt),
                     {"from": "gpt", "value": answer},

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..heads import DraftHead
-from ..target import TargetModel
+from ..targets.hf import TargetModel
 from .losses import next_embeds, shift_left, step_mask
 
 

@@ -14,7 +14,14 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import EagleSpecError, HeadMismatchError
-from ..heads import DraftHead, HeadConfig, load_head, read_draft_vocab, save_draft_vocab, save_head
+from ..heads import (
+    DraftHead,
+    HeadConfig,
+    load_head,
+    read_draft_vocab,
+    save_draft_vocab,
+    save_head,
+)
 from ..platform import parse_dtype
 
 
@@ -33,7 +40,7 @@ def _state(head: DraftHead, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 def attach_target(head: DraftHead, model: str) -> None:
     """Record which target an imported head belongs to (official configs do not say), refusing a misfit."""
     from ..models import load_target
-    from ..target import TargetModel
+    from ..targets.hf import TargetModel
 
     target = TargetModel(load_target(model)[0], feature_kind=None)
     if head.config.hidden_size != target.hidden_size or head.config.vocab_size != target.vocab_size:
@@ -57,7 +64,8 @@ def export_head(src: str | Path, dst: str | Path, layout: str = "official", weig
         with safe_open(str(weights_path), "pt") as f:
             stored = next((f.get_slice(k).get_dtype() for k in f.keys() if k not in ("d2t", "t2d")), None)
     head = load_head(src)  # float32; raises CheckpointError on corrupt / mismatched files
-    out_dtype = parse_dtype(dtype) if dtype else {"BF16": torch.bfloat16, "F16": torch.float16}.get(stored, torch.float32)
+    out_dtype = (parse_dtype(dtype) if dtype
+                 else {"BF16": torch.bfloat16, "F16": torch.float16}.get(stored, torch.float32))
     if model:
         attach_target(head, model)
     if layout == "eaglespec":

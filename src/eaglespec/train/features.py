@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from ..errors import CheckpointError
-from ..target import TargetModel
+from ..targets.hf import TargetModel
 from .data import Example
 
 if TYPE_CHECKING:
@@ -36,7 +36,8 @@ class Batch:
     features: Tensor  # [B, T, F] the head's input features (F = d for EAGLE-1, 3d for EAGLE-3)
 
     def to(self, device: torch.device | str) -> "Batch":
-        return Batch(*(getattr(self, k).to(device) for k in ("input_ids", "loss_mask", "attention_mask", "last", "features")))
+        return Batch(*(getattr(self, k).to(device)
+                       for k in ("input_ids", "loss_mask", "attention_mask", "last", "features")))
 
 
 def pad_examples(examples: list[Example]) -> tuple[Tensor, Tensor, Tensor]:
@@ -116,7 +117,8 @@ class FeatureStore:
 
     def missing(self) -> list[Example]:
         """The examples whose shards are still to be computed."""
-        return [ex for k in self._todo() for ex in self.examples[k * self.SHARD_EXAMPLES : (k + 1) * self.SHARD_EXAMPLES]]
+        return [ex for k in self._todo()
+                for ex in self.examples[k * self.SHARD_EXAMPLES : (k + 1) * self.SHARD_EXAMPLES]]
 
     def build(self, bar: tqdm, batch_size: int = 8) -> None:
         """Compute the missing shards; a shard file appears only when complete, so an interrupted build resumes."""
@@ -159,7 +161,8 @@ class FeatureStore:
                 shard = load_file(str(self._shard_path(k)))
             except (SafetensorError, OSError) as exc:
                 raise CheckpointError(
-                    f"feature shard '{self._shard_path(k)}' is missing or corrupt ({exc}); delete it to rebuild") from exc
+                    f"feature shard '{self._shard_path(k)}' is missing or corrupt ({exc}); delete it to rebuild"
+                ) from exc
             lasts.append(shard["last"])
             if self.want_fused:
                 feats.append(shard["features"])

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..heads import DraftHead
-from ..target import TargetModel
+from ..targets.hf import TargetModel
 from .features import Batch
 
 STEP_DECAY = 0.8
@@ -85,7 +85,8 @@ def eagle1_loss(head: DraftHead, target: TargetModel, batch: Batch, noise: float
     return LossParts(total, parts, int(step_mask(batch, 0).sum()))
 
 
-def eagle3_loss(head: DraftHead, target: TargetModel, batch: Batch, steps: int, model: nn.Module | None = None) -> LossParts:
+def eagle3_loss(head: DraftHead, target: TargetModel, batch: Batch, steps: int,
+                model: nn.Module | None = None) -> LossParts:
     """Training-time test: sum_j 0.8^j * soft CE(target distribution over the draft vocabulary, head's step-j
     distribution), step j feeding back the head's own step j-1 output."""
     draft_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=batch.input_ids.device))

@@ -21,9 +21,17 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, EagleSpecError
-from ..heads import DraftHead, HeadConfig, build_head, check_head_fits, load_head, save_draft_vocab, save_head
+from ..heads import (
+    DraftHead,
+    HeadConfig,
+    build_head,
+    check_head_fits,
+    load_head,
+    save_draft_vocab,
+    save_head,
+)
 from ..platform import gpu_lacks_native_bf16
-from ..target import TargetModel
+from ..targets.hf import TargetModel
 from .data import Example, encode_files, read_conversations
 from .evaluate import draft_accuracy, format_accuracy, log_jsonl
 from .features import CachedFeatures, OnlineFeatures, open_feature_stores
@@ -373,7 +381,8 @@ class Trainer:
         saved = {k: saved.get(k, defaults.get(k)) for k in RESUME_KEYS}
         current = asdict(self.config)
         # The unrolled depth in effect, not how it was given (None = the kind's default).
-        saved["ttt_steps"] = TrainConfig(kind=saved["kind"], data=[], out="", ttt_steps=saved["ttt_steps"]).unroll_steps()
+        saved["ttt_steps"] = TrainConfig(kind=saved["kind"], data=[], out="",
+                                         ttt_steps=saved["ttt_steps"]).unroll_steps()
         current["ttt_steps"] = self.config.unroll_steps()
         changed = [k for k in RESUME_KEYS if saved[k] != current.get(k)]
         if changed:
@@ -387,7 +396,8 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"], self.generator)
-        self.step, self.epoch, self.batch_in_epoch = int(state["step"]), int(state["epoch"]), int(state["batch_in_epoch"])
+        self.step, self.epoch, self.batch_in_epoch = (int(state["step"]), int(state["epoch"]),
+                                                      int(state["batch_in_epoch"]))
         self.print(f"resumed from {folder}: step {self.step}, epoch {self.epoch}, batch {self.batch_in_epoch}")
 
     # ---- evaluation ----------------------------------------------------------------------------------

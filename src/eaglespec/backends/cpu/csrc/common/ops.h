@@ -1,6 +1,6 @@
 // The schemas of eaglespec's CPU operators and the list of their implementations.
 //
-// The kernels come in one build per instruction set (eaglespec.bf16gemm.ISAS): AVX-512 (avx512/kernels.cpp) and
+// The kernels come in one build per instruction set (eaglespec.backends.cpu.kernels.ISAS): AVX-512 (avx512/kernels.cpp) and
 // AVX2 + FMA (avx2/kernels.cpp). Both define these schemas and register the same host code over their own
 // micro-kernels, so Python code and compiled graphs call the same operators whichever build the CPU loaded, and both
 // read the same packed layouts. Included after the build's micro-kernels (the host code calls them as isa::).

@@ -4,10 +4,11 @@ Models that install here come as GGUF files, and eaglespec dequantizes them once
 Q4_1 tensor every block of 32 consecutive input channels of a row is d q + m with q in [0, 15] and d, m float16, so
 the float32 weights carry 5 bits of information per weight while bfloat16 stores 16 and rounds them. `find_blocks`
 recovers (d, m, q) from the float32 weights and checks that they rebuild every weight bit for bit; where they do,
-`Q4Linear` multiplies through csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h, which reads 20 bytes per 32 weights (instead of 64 in bfloat16)
-and sums each block as d sum(x q) + m sum(x), every product x q exact. Nothing is approximated beyond float32
-rounding: these products are those of the float32 model's weights (closer to it than bfloat16 ones), with bfloat16
-activations as in the bfloat16 kernel, and a row gets the same bits whatever else is in the call.
+`Q4Linear` multiplies through csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h, which reads 20 bytes per 32 weights
+(instead of 64 in bfloat16) and sums each block as d sum(x q) + m sum(x), every product x q exact. Nothing is
+approximated beyond float32 rounding: these products are those of the float32 model's weights (closer to it than
+bfloat16 ones), with bfloat16 activations as in the bfloat16 kernel, and a row gets the same bits whatever else is in
+the call.
 
 Used by `--compile` bfloat16 targets wherever eaglespec's kernels run (`available`: the AVX2 build, and the AVX-512
 build, which compiles the same AVX2 source); $EAGLESPEC_Q4=0 turns it off (the layers then use the bfloat16 kernel).
@@ -23,7 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import bf16gemm, envs
+from ... import envs
+from . import kernels
 
 BLOCK = 32  # input channels per block
 COLUMNS = 32  # output columns per packed group (csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h)
@@ -33,7 +35,7 @@ ENV = envs.Q4
 def available() -> bool:
     """True where Q4Linear runs: this CPU loads a build of the kernels with the 4-bit product (both builds have it:
     the AVX-512 one compiles csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h too) and $EAGLESPEC_Q4 is not 0."""
-    build = bf16gemm.isa()
+    build = kernels.isa()
     return build is not None and build.has_q4 and envs.q4_enabled()
 
 
@@ -85,8 +87,9 @@ def find_blocks(weight: Tensor) -> Blocks | None:
 
 
 def q4_pack(blocks: Blocks) -> Tensor:
-    """csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h's layout: [ceil(N/32), K/32, 640] uint8; per group-block d (32 float16), m (32 float16),
-    then uint32 words [4 octets][32 columns] whose nibble i holds q[column][32 b + 8 octet + i]."""
+    """csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h's layout: [ceil(N/32), K/32, 640] uint8; per group-block
+    d (32 float16), m (32 float16), then uint32 words [4 octets][32 columns] whose nibble i holds
+    q[column][32 b + 8 octet + i]."""
     n, k = blocks.q.shape
     pad = -n % COLUMNS
     q = nn.functional.pad(blocks.q, (0, 0, 0, pad)).to(torch.int32)  # [Np, K]
@@ -107,7 +110,7 @@ class Q4Linear(nn.Module):
 
     def __init__(self, blocks: Blocks, bias: Tensor | None = None):
         super().__init__()
-        bf16gemm.load()
+        kernels.load()
         self.out_features, self.in_features = blocks.q.shape
         self.register_buffer("packed", q4_pack(blocks))
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .drafters import Drafter, TreeSettings
-from .tree import DraftTree, chain
+from ..spec.tree import DraftTree, chain
+from .base import Drafter, TreeSettings
 
 
 def find_continuation(tokens: Tensor, max_ngram: int = 3, min_ngram: int = 1, length: int = 5) -> list[int]:

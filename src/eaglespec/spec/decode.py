@@ -11,10 +11,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafters import Drafter
-from .errors import EagleSpecError
-from .target import TargetModel
-from .verify import SamplingParams, sample_token, target_probs, verify_sample, walk_greedy
+from ..drafters import Drafter
+from ..errors import EagleSpecError
+from ..targets.hf import TargetModel
+from .verify import (
+    SamplingParams,
+    sample_token,
+    target_probs,
+    verify_sample,
+    walk_greedy,
+)
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 

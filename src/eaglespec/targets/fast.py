@@ -4,26 +4,26 @@ Why it is faster than calling the transformers model: a pre-allocated KV cache w
 accepted path (no concatenation or gathering of whole caches per step), fused QKV and gate/up matrices (3 matmuls
 fewer per layer), RoPE tables computed once, a boolean mask built once per step, and little Python per layer.
 Weights are read from the transformers model (nothing is copied from its source); with `quantize` the linear
-layers are kept as int8 / int4 weight-only matrices (`eaglespec.quant`). It is checked token for token against the
-generic `TargetModel` path in tests/test_fastpath.py.
+layers are kept as int8 / int4 weight-only matrices (`eaglespec.backends.cpu.quant`). It is checked token for token
+against the generic `TargetModel` path in tests/test_fastpath.py.
 
 Float32 weights (and bfloat16 ones on a CPU with native bfloat16 arithmetic) are pre-packed for oneDNN
-(`eaglespec.packed`): on a CPU a product of 2-16 rows then costs about what one row costs, instead of twice as
-much, which is what makes verifying a draft tree cheap.
+(`eaglespec.backends.cpu.packed`): on a CPU a product of 2-16 rows then costs about what one row costs, instead of twice
+as much, which is what makes verifying a draft tree cheap.
 
 Row-invariant decode steps. Speculative decoding is lossless only if a token's logits in a multi-token verify pass
 equal those of a one-token step. By default on a CPU every decode step is row-invariant:
 - bfloat16 weights on a CPU with AVX-512 BF16 or AVX2 + FMA (`kernels`): the products, the decode-step attention
-  (`layers.write_and_attend_tree`: each query row attends over the cached prefix and then its own path of tree rows,
-  in sequence order) and the greedy LM head are eaglespec's C++ kernels (eaglespec.bf16gemm), each of which gives
-  a row the same bits whatever else is in the call; the remaining operations of a step (norms, RoPE, SiLU, residual
-  adds) work on each row alone. This is also the fastest path those CPUs have, eager or compiled.
+  (`backends.cpu.attention.write_and_attend_tree`: each query row attends over the cached prefix and then its own path
+  of tree rows, in sequence order) and the greedy LM head are eaglespec's C++ kernels (eaglespec.backends.cpu.kernels),
+  each of which gives a row the same bits whatever else is in the call; the remaining operations of a step (norms, RoPE,
+  SiLU, residual adds) work on each row alone. This is also the fastest path those CPUs have, eager or compiled.
 - elsewhere (float32, or no C++ compiler): `make_target` sets `row_invariant`: packed products too wide to be
   row-invariant are split into input chunks (`packed.pack_row_invariant`) and each query row gets its own attention
   call over exactly the keys it may see, laid out as the one-token step that computes it sees them. Quantized
-  targets (`eaglespec.quant`) always attend this way. `exact=False` (`--no-exact`) keeps one batched attention
-  call instead: faster there, but a verified row can then differ from a one-token step in its last bits (~4e-5 of a
-  logit on SmolLM2-135M in float32), which a near-tie can turn into another token.
+  targets (`eaglespec.backends.cpu.quant`) always attend this way. `exact=False` (`--no-exact`) keeps one batched
+  attention call instead: faster there, but a verified row can then differ from a one-token step in its last bits (~4e-5
+  of a logit on SmolLM2-135M in float32), which a near-tie can turn into another token.
 The prompt prefill is one batched call in every mode (nothing is compared with it).
 """
 
@@ -36,11 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import bf16gemm, compiled, packed, q4
-from .errors import EagleSpecError
-from .layers import Linear, decoder_layer, rms_norm, write_and_attend, write_and_attend_tree
-from .quant import check_mode, quantize
-from .target import TargetModel, TargetOutput
+from ..backends.cpu.apply import check_quantize, plan_target
+from ..errors import EagleSpecError
+from .hf import TargetModel, TargetOutput
+from .layers import Linear, decoder_layer, rms_norm, write_and_attend
 
 SUPPORTED = ("llama", "qwen2")
 
@@ -76,114 +75,47 @@ class FastTarget(TargetModel):
     def __init__(self, model, feature_kind: str | None = "final", initial_capacity: int = 1024,
                  quantize: str | None = None, pack: bool | None = None, row_invariant: bool | None = None,
                  attention_dtype: torch.dtype | None = None, compile: bool = False, kernels: bool | None = None):
-        """`quantize`: None (the model's own weights), "int8" or "int4" weight-only (see eaglespec.quant).
-        `pack`: weights pre-packed for oneDNN (eaglespec.packed); None = wherever available.
+        """`quantize`: None (the model's own weights), "int8" or "int4" weight-only (see eaglespec.backends.cpu.quant).
+        `pack`: weights pre-packed for oneDNN (eaglespec.backends.cpu.packed); None = wherever available.
         `row_invariant`: decode steps attend row by row (module docstring); None = when quantized.
         `attention_dtype`: of the attention arithmetic and of the KV cache (but see `cache_dtype` below); None =
         float32 for a half-precision target on a CPU, the model's dtype elsewhere.
-        `compile`: decode steps run the layers through torch.compile (eaglespec.compiled); call `warm_up()` to
-        compile before timing anything.
+        `compile`: decode steps run the layers through torch.compile (eaglespec.backends.cpu.compiled); call `warm_up()`
+        to compile before timing anything.
         `kernels`: products, decode-step attention and greedy LM head through eaglespec's CPU kernels (bfloat16
         weights on a CPU with AVX-512 BF16 or AVX2 + FMA, `bf16gemm.available`), eager or compiled; every row then
         gets the same bits whatever else is in the step, so verify passes are exact. None = wherever available."""
         super().__init__(model, feature_kind)
-        self.quantize = check_mode(quantize, self.device)
-        self.compiled = bool(compile)
-        can_kernel = self.quantize is None and bf16gemm.available(self.dtype, self.device)
-        if kernels and not can_kernel:
-            raise EagleSpecError("eaglespec's kernels need bfloat16 weights on a CPU with AVX-512 BF16 or AVX2 + FMA, "
-                                 "a C++ compiler, and no --quantize")
-        # decoder and LM-head products through eaglespec's own kernel (bfloat16 weights, AVX-512 BF16 or AVX2 + FMA)
-        self.bf16_gemm = can_kernel if kernels is None else bool(kernels)
-        if self.compiled:
-            # compiled graphs are row-invariant only with the kernels (they attend through the kernel too); the eager
-            # row-by-row attention of quantized / row_invariant targets has no compiled form
-            if self.quantize or (row_invariant and not self.bf16_gemm):
-                raise EagleSpecError(compiled.CONFLICT)
-            compiled.check_available(self.device)
-        can_pack = self.quantize is None and packed.available(self.dtype, self.device)
-        if pack and not can_pack:
-            raise EagleSpecError("pack=True needs float32 weights (or bfloat16 on a CPU with native bfloat16) on a CPU "
-                                 "with oneDNN, and no --quantize")
-        self.pack = can_pack if pack is None else bool(pack)
-        # (the kernels' steps are row-invariant by construction, whatever this says)
-        self.row_invariant = self.quantize is not None if row_invariant is None else bool(row_invariant)
-        # Half-precision targets on a CPU keep the KV cache and attend in float32: torch's CPU attention on bfloat16
-        # costs 100-270 us per one-query call over 200-600 keys against 13-33 us in float32 (2 cores), which made
-        # attention a third of a bfloat16 decode step. Keys and values are rounded to the model dtype first (as the
-        # model computes them), so the cache holds the same values; only the attention arithmetic is wider.
-        half = self.dtype in (torch.bfloat16, torch.float16)
-        self.attention_dtype = attention_dtype or (torch.float32 if half and self.device.type == "cpu" else self.dtype)
         c = self.config
         self.n_heads = c.num_attention_heads
         self.n_kv = getattr(c, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.n_heads
         self.eps = float(c.rms_norm_eps)
-        # eaglespec's row-invariant decode-step attention (`write_and_attend_tree`) where it builds (the extension of
-        # eaglespec.bf16gemm): every decode step's attention beside the kernels' products (eager or compiled), and
-        # row-invariant steps (float32 --exact, quantized targets) instead of one attention call per row
-        self.attention_kernel = (self.attention_dtype == torch.float32 and self.head_dim % 16 == 0
-                                 and self.head_dim <= 256 and bf16gemm.available(torch.bfloat16, self.device))
-        self.tree_kernel = self.attention_kernel and self.bf16_gemm
-        if row_invariant is None and self.bf16_gemm and not self.attention_kernel:
-            self.row_invariant = True  # the kernel's products beside torch's attention (a head size it lacks): attend
-            # row by row, or a verify pass's batched attention would round rows differently from one-token steps
-        # A bfloat16 target's keys and values are bfloat16 values (rounded as the model computes them, in the
-        # compiled graphs too). Where every decode step attends through the kernel, which widens them itself, the
-        # cache keeps them in bfloat16: the same numbers in half the bytes, to read and to keep in the CPU's caches
-        # between steps. Prefills and other attention calls widen the slice they read (`write_and_attend`).
-        kernel_steps = self.tree_kernel or (self.attention_kernel and self.row_invariant)
-        self.cache_dtype = self.dtype if kernel_steps and self.dtype == torch.bfloat16 else self.attention_dtype
-        self.keys_transposed = kernel_steps  # the kernel's key layout, [kv_heads, head_dim, capacity]
-        if kernel_steps:
-            bf16gemm.load()  # now, not in the middle of the first generation
-        head = self.lm_head
-        self.greedy_head: bf16gemm.GreedyHead | None = None  # greedy steps' token without the whole LM head
-        if self.bf16_gemm:
-            self.logits_head: Linear = bf16gemm.Bf16Linear(head.weight, head.bias)
-            if head.bias is None and bool(head.weight.isfinite().all()):
-                self.greedy_head = bf16gemm.GreedyHead(head.weight)
-        else:
-            self.logits_head = self._linear(head.weight, head.bias) if self.quantize or self.pack else head
-        # the layers' weights read as exact 4-bit blocks where the float32 checkpoint has that form (eaglespec.q4:
-        # GGUF Q4_1 models, on CPUs running the AVX2 kernels); other matrices stay on the bfloat16 kernel
-        self.q4_source = q4.Float32Source(model) if self.bf16_gemm and q4.available() else None
-        self.q4_matrices = 0  # layer matrices read as 4-bit blocks
+        # what the products, the decode-step attention and the LM head run on: the CPU backend decides (its apply.py)
+        self.kernels = plan_target(self.dtype, self.device, self.head_dim, quantize, pack, row_invariant,
+                                   attention_dtype, compile, kernels)
+        k = self.kernels
+        self.quantize, self.compiled, self.bf16_gemm, self.pack = k.quantize, k.compiled, k.bf16_gemm, k.pack
+        self.row_invariant, self.attention_dtype = k.row_invariant, k.attention_dtype
+        self.attention_kernel, self.tree_kernel = k.attention_kernel, k.tree_kernel
+        self.cache_dtype, self.keys_transposed = k.cache_dtype, k.keys_transposed
+        self.logits_head, self.greedy_head = k.lm_head(self.lm_head)  # greedy steps' token without every logit
+        k.open_q4_source(model)
         self.layers = [self._fuse(layer) for layer in self.decoder.layers]
-        self.q4_source = None  # (its open files are not needed after this)
+        k.close_q4_source()
+        self.q4_matrices = k.q4_matrices  # layer matrices read as exact 4-bit blocks
         self.final_norm = self.decoder.norm.weight.detach()
         self.stack = None  # the compiled layers (decode steps), with --compile
         self.compiled_steps = 0  # forwards that ran through it
         if self.compiled:
             features = self.eagle3_layers() if self.feature_kind == "eagle3" else ()
-            self.stack = compiled.compile_stack(self.layers, (self.n_heads, self.n_kv, self.head_dim), self.eps,
-                                                self.attention_dtype, features, self.device,
-                                                autotune=not self.bf16_gemm, tree_kernel=self.tree_kernel)
+            self.stack = k.compile_stack(self.layers, (self.n_heads, self.n_kv, self.head_dim), self.eps, features,
+                                         self.device)
         rope = getattr(c, "rope_parameters", None) or {}
         theta = float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
         self.capacity = 0
         self._grow(min(initial_capacity, self.max_context))
-
-    def _linear(self, weight: Tensor, bias: Tensor | None = None) -> Linear:
-        if self.quantize:
-            return quantize(weight, bias, self.quantize)
-        if self.pack:  # row-invariant steps: products too wide to be row-invariant are split (eaglespec.packed)
-            return packed.pack_row_invariant(weight, bias) if self.row_invariant else packed.pack(weight, bias)
-        return partial(F.linear, weight=weight.detach().contiguous(), bias=None if bias is None else bias.detach())
-
-    def _layer_linear(self, weight: Tensor, bias: Tensor | None = None, parameters: tuple[Tensor, ...] = ()) -> Linear:
-        # compiled layers hold modules: eaglespec's 4-bit block or bfloat16 kernel where available, else plain
-        # nn.Linear modules (inductor's freezing packs them itself). `parameters`: the model's weights stacked in
-        # `weight`, to find their float32 values
-        if self.q4_source is not None and parameters:
-            blocks = self.q4_source.blocks(*parameters)
-            if blocks is not None:
-                self.q4_matrices += 1
-                return q4.Q4Linear(blocks, bias)
-        if self.bf16_gemm:
-            return bf16gemm.Bf16Linear(weight, bias)
-        return compiled.linear_module(weight, bias) if self.compiled else self._linear(weight, bias)
 
     def _fuse(self, layer) -> _Layer:
         a, m = layer.self_attn, layer.mlp
@@ -192,14 +124,20 @@ class FastTarget(TargetModel):
             bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
         return _Layer(
             input_norm=layer.input_layernorm.weight.detach(),
-            qkv=self._layer_linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bias,
+            qkv=self.kernels.layer_linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bias,
                                    (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)),
-            o=self._layer_linear(a.o_proj.weight, None, (a.o_proj.weight,)),
+            o=self.kernels.layer_linear(a.o_proj.weight, None, (a.o_proj.weight,)),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=self._layer_linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), None,
+            gate_up=self.kernels.layer_linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), None,
                                        (m.gate_proj.weight, m.up_proj.weight)),
-            down=self._layer_linear(m.down_proj.weight, None, (m.down_proj.weight,)),
+            down=self.kernels.layer_linear(m.down_proj.weight, None, (m.down_proj.weight,)),
         )
+
+    def hardware_class(self) -> str:
+        return self.kernels.hardware_class(self.device)
+
+    def backend_signature(self) -> str:
+        return self.kernels.signature()
 
     # ---- static cache --------------------------------------------------------------------------------
     def _grow(self, capacity: int) -> None:
@@ -244,7 +182,7 @@ class FastTarget(TargetModel):
 
     def warm_up(self) -> float:
         """With `compile`: compile the decode steps now (tens of seconds; empties the cache). Returns seconds."""
-        return compiled.warm_up(self) if self.compiled else 0.0
+        return self.kernels.warm_up(self)
 
     @torch.inference_mode()
     def commit(self, keep: Tensor | None = None) -> None:
@@ -260,7 +198,7 @@ class FastTarget(TargetModel):
             while start < m and kept[start] == start:
                 start += 1
             if start < m and self.keys_transposed:  # the kernel's layout: one call for every layer
-                torch.ops.eaglespec.commit_rows(self.layer_keys, self.layer_values, c, kept)
+                self.kernels.commit_rows(self.layer_keys, self.layer_values, c, kept)
             elif start < m:
                 rows = c + keep[start:].to(self.device)
                 for cache in (*self.layer_keys, *self.layer_values):
@@ -356,7 +294,7 @@ class FastTarget(TargetModel):
         exact_kernel = (self.row_invariant and self.attention_kernel and tree_mask is not None) or (
             self.tree_kernel and c > 0)
         if exact_kernel and not self.keys_transposed:  # row_invariant was set after construction
-            bf16gemm.load()
+            self.kernels.load()
             self.layer_keys = [keys.transpose(1, 2).contiguous() for keys in self.layer_keys]  # the kernel's layout
             self.keys_transposed = True
         if self.row_invariant and tree_mask is not None and not exact_kernel:
@@ -385,7 +323,7 @@ class FastTarget(TargetModel):
                 if i in feature_layers:
                     saved.append(x)
                 if exact_kernel:  # row-invariant decode steps through the kernel
-                    attend = partial(write_and_attend_tree, keys=self.layer_keys[i], values=self.layer_values[i],
+                    attend = partial(self.kernels.attend_tree, keys=self.layer_keys[i], values=self.layer_values[i],
                                      c=c, step_mask=step_mask)
                 elif rows is None:
                     attend = partial(write_and_attend, keys=self.layer_keys[i], values=self.layer_values[i], c=c,
@@ -406,7 +344,8 @@ class FastTarget(TargetModel):
             features = torch.cat([by_layer[i] for i in self.eagle3_layers()], dim=-1)  # [n, 3d]
         else:
             features = None
-        return TargetOutput(logits=logits, features=features, greedy_tokens=best)
+        return TargetOutput(logits=logits, features=features, greedy_tokens=best,
+                            argmax_rows=self.kernels.argmax_rows)
 
 
 def make_target(model, feature_kind: str | None = "final", backend: str = "auto",
@@ -420,7 +359,7 @@ def make_target(model, feature_kind: str | None = "final", backend: str = "auto"
     `compile`: decode steps through torch.compile (fast path only; compiles here, tens of seconds)."""
     if backend not in ("auto", "fast", "hf"):
         raise EagleSpecError(f"unknown backend '{backend}'; use auto, fast or hf")
-    quantize = check_mode(quantize)
+    quantize = check_quantize(quantize)
     options = [f"--quantize {quantize}"] * bool(quantize) + ["--exact"] * bool(exact) + ["--compile"] * compile
     fast = backend == "fast" or (backend == "auto" and supports(model))
     if options and (backend == "hf" or not supports(model)):

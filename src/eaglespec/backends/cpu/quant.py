@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .errors import EagleSpecError
+from ...errors import EagleSpecError
 
 MODES = ("int8", "int4")
 INT4_GROUPS = (32, 64, 128, 256)

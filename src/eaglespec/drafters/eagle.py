@@ -1,68 +1,17 @@
-"""Drafters: everything that proposes a draft tree, behind one small interface the verifier does not look behind.
-
-- `EagleDrafter`: an EAGLE head drafting an EAGLE-2 dynamic tree, an EAGLE-1 static tree, or a chain.
-- `VanillaDrafter`: proposes nothing (root only), so plain decoding runs through the very same loop.
-"""
+"""`EagleDrafter`: an EAGLE head drafting an EAGLE-2 dynamic tree, an EAGLE-1 static tree, or a chain, over the
+target's features (Li et al., 2024: arXiv 2401.15077, 2406.16858, 2503.01840)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 from functools import partial
 
 import torch
 from torch import Tensor
 
-from . import bf16gemm, packed
-from .errors import EagleSpecError
-from .heads.base import DraftHead
-from .tree import EAGLE1_CHOICES, DraftTree, validate_choices
-
-METHODS = ("eagle2", "eagle1", "chain", "vanilla", "pld", "sps")
-HEAD_METHODS = ("eagle2", "eagle1", "chain")  # methods that draft with an EAGLE head
-
-
-class Drafter:
-    """Proposes a tree rooted at the last committed token.
-
-    `draft(tokens, new_features)`: `tokens` [n + 1] is the whole committed sequence ending with the root (the
-    token the target chose last, not yet run through the target); `new_features` [k, F] are the target features
-    of the last k committed positions the drafter has not seen yet (positions n - k .. n - 1), or None.
-    """
-
-    name = "drafter"
-    needs_features = False
-
-    def reset(self) -> None:
-        """Forget the sequence (called before each new generation)."""
-
-    def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
-        raise NotImplementedError
-
-
-class VanillaDrafter(Drafter):
-    name = "vanilla"
-
-    def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
-        return DraftTree.root_only(int(tokens[-1]))
-
-
-@dataclass
-class TreeSettings:
-    """EAGLE-2 dynamic tree: `total_tokens` nodes verified (root included), `depth` draft levels, `top_k`
-    children per expanded node. EAGLE-1 static tree: `choices` (rank paths). Chain: `depth` top-1 steps."""
-
-    total_tokens: int = 16
-    depth: int = 5
-    top_k: int = 4
-    choices: list[list[int]] | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("total_tokens", "depth", "top_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1 or value > 1024:
-                raise EagleSpecError(f"tree setting {name} must be an integer between 1 and 1024, got {value!r}")
-        if self.total_tokens < 2:
-            raise EagleSpecError("tree setting total_tokens must be at least 2 (the root and one draft token)")
+from ..heads.base import DraftHead
+from ..spec.tree import EAGLE1_CHOICES, DraftTree, validate_choices
+from .base import Drafter, TreeSettings
 
 
 class EagleDrafter(Drafter):
@@ -72,34 +21,17 @@ class EagleDrafter(Drafter):
     needs_features = True
 
     def __init__(self, head: DraftHead, embed_tokens, lm_head, mode: str = "dynamic",
-                 settings: TreeSettings | None = None, compile: bool = False, kernels: bool = False):
-        """`compile`: the head's decoder-layer steps through torch.compile (eaglespec.compiled; compiles here).
-        `kernels`: the head's products through eaglespec's bfloat16 kernel where it applies (the target runs on
-        them; eaglespec.bf16gemm)."""
+                 settings: TreeSettings | None = None, step: Callable | None = None,
+                 topk: Callable[[Tensor, int], tuple[Tensor, Tensor]] | None = None):
+        """`head` as it runs (a backend may have swapped its products: eaglespec.backends.cpu.apply); `step` its
+        decoder-layer step, (hidden, token_embeds, positions, cache, mask) -> [T, d] (default `head.step`; a
+        compiled one); `topk` the k best children of each row, (scores [N, V], k) -> (values, indices) with equal
+        scores in any order (default torch.topk)."""
         if mode not in ("dynamic", "static", "chain"):
             raise ValueError(f"unknown draft mode {mode}")
-        # The head's own linear layers packed for oneDNN on a CPU (a copy; the caller's head is left as it is); with
-        # `kernels`, through eaglespec's bfloat16 kernel where it applies (eaglespec.bf16gemm), and there the draft
-        # vocabulary's LM-head rows through an int8 copy unless EAGLESPEC_DRAFT_INT8=0 (bf16gemm.Int8Linear: 8192
-        # rows of SmolLM2's LM head 0.25 -> 0.17 ms a call; the drafts may differ a little, the accepted output cannot).
-        weight = next(head.parameters())
-        kernel = (kernels or compile) and bf16gemm.available(weight.dtype, weight.device)
-        self.int8 = kernel and bf16gemm.draft_int8()
-        self.head = bf16gemm.with_kernel(head) if kernel else packed.pack_linears(head)
-        if self.int8 and isinstance(getattr(self.head, "lm_head", None), bf16gemm.Bf16Linear):  # EAGLE-3's own
-            self.head.lm_head = bf16gemm.Int8Linear(head.lm_head.weight, head.lm_head.bias)
-        if kernel and hasattr(self.head, "pack_rows"):  # EAGLE-1: the target LM head's rows of the draft vocabulary
-            self.head.pack_rows = bf16gemm.Int8Linear if self.int8 else bf16gemm.Bf16Linear
-        self.step = self.head.step  # (hidden, token_embeds, positions, cache, mask) -> [T, d]
-        # The k best children of a node: eaglespec's top-k where the head runs through its kernels (the same
-        # children, up to the order of equal scores), else torch's
-        self.topk = bf16gemm.topk_rows if kernel else partial(torch.topk, dim=-1)
-        if compile:
-            from . import compiled
-
-            step_head = self.head if kernel else head  # (inductor packs plain nn.Linear layers itself)
-            self.step = compiled.compile_head_step(step_head, weight.device)
-            compiled.warm_up_head_step(self.step, step_head)
+        self.head = head
+        self.step = step or head.step
+        self.topk = topk or partial(torch.topk, dim=-1)
         self.embed_tokens, self.lm_head, self.mode = embed_tokens, lm_head, mode
         self.settings = settings or TreeSettings()
         self.name = {"dynamic": "eagle2", "static": "eagle1", "chain": "chain"}[mode]

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .drafters import Drafter
+from ..drafters import Drafter
 from .tree import DraftTree
 
 DRAFT, PLAIN = "draft", "plain"

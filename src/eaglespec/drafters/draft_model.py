@@ -3,9 +3,9 @@
 The draft model proposes a greedy chain of `depth` tokens; the target verifies it like any other draft tree (for
 sampling too: the verifier's rejection rule treats the greedy chain as a deterministic proposal).
 
-The draft model runs through `fastpath.make_target`, so a Llama / Qwen2 draft gets the same lean forward, static KV
-cache and CPU kernels as the target (greedy steps through the kernels' greedy head, without full logits); other
-architectures fall back to the generic transformers path.
+The caller builds the draft model's target with `targets.fast.make_target`, so a Llama / Qwen2 draft gets the same lean
+forward, static KV cache and CPU kernels as the target (greedy steps through the kernels' greedy head, without full
+logits); other architectures fall back to the generic transformers path.
 
 Cache across rounds (fast path, which can `truncate` its cache): every drafted token is run once, as a one-token
 step on top of the draft cache, and its row stays committed there. The next round rolls the cache back to the
@@ -23,27 +23,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .drafters import Drafter, TreeSettings
-from .fastpath import make_target
-from .tree import DraftTree, chain
+from ..spec.tree import DraftTree, chain
+from ..targets.hf import TargetModel
+from .base import Drafter, TreeSettings
 
 _EMPTY = torch.zeros(0, dtype=torch.long)
 
 
 class DraftModelDrafter(Drafter):
-    """Greedy chain drafts from a small causal LM (`draft_hf_model`, a transformers model in eval mode, on the
-    target's device and in its dtype)."""
+    """Greedy chain drafts from a small causal LM sharing the target's tokenizer, run as a `TargetModel` without
+    features (`make_target(draft_hf_model, feature_kind=None, exact=False)`: on the target's device and in its
+    dtype; not exact, since a draft's bits only change which tokens are proposed, never the output)."""
 
     name = "sps"
     needs_features = False
 
-    def __init__(self, draft_hf_model, settings: TreeSettings | None = None):
+    def __init__(self, draft_target: TargetModel, settings: TreeSettings | None = None):
         self.settings = settings or TreeSettings()
-        # The fast path where the architecture is supported, on the CPU kernels where they run (its dtype and device
-        # are the model's: the caller loads it like the target). Not `exact`: a draft's bits only change which tokens
-        # are proposed, never the output, and exact float32 steps cost split products (bfloat16 kernel steps are
-        # row-invariant either way).
-        self.model = make_target(draft_hf_model, feature_kind=None, exact=False)
+        self.model = draft_target
         # can drop committed rows: drafted tokens then stay in the cache instead of being re-run at every step
         self.rolls_back = callable(getattr(self.model, "truncate", None))
         self.forwards = 0  # draft-model forwards so far (each round's cost, for tests and benchmarks)

@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import envs
-from .errors import EagleSpecError
+from ... import envs
+from ...errors import EagleSpecError
 
 CSRC = Path(__file__).parent / "csrc"
 
@@ -56,7 +56,7 @@ class Isa:
 
     @property
     def has_q4(self) -> bool:
-        """Whether this build has the 4-bit block product (torch.ops.eaglespec.q4_linear, eaglespec.q4)."""
+        """Whether this build has the 4-bit block product (torch.ops.eaglespec.q4_linear, eaglespec.backends.cpu.q4)."""
         return Q4_SOURCE in self.sources
 
 
@@ -69,9 +69,9 @@ class Isa:
 # parsed once a build. The AVX2 micro-kernels work on 8-lane vectors; its bfloat16 product is the FMA loop only (no
 # bfloat16 dot-product instruction), with the same bits as the AVX-512 build's FMA loop, and the greedy screen
 # multiplies bytes with vpmaddubsw instead of VNNI. The 4-bit block product (micro-kernels in csrc/avx2/q4_gemm.h,
-# eaglespec.q4) exists in AVX2 only and is compiled into both builds: every AVX-512 CPU also runs AVX2 + FMA + F16C
-# code, hence those flags in the AVX-512 build's requirements (GCC's -mavx512f does not imply -mf16c, which the 4-bit
-# product's float16 scales need).
+# eaglespec.backends.cpu.q4) exists in AVX2 only and is compiled into both builds: every AVX-512 CPU also runs AVX2 +
+# FMA + F16C code, hence those flags in the AVX-512 build's requirements (GCC's -mavx512f does not imply -mf16c, which
+# the 4-bit product's float16 scales need).
 COMMON_SOURCES = tuple(CSRC / "common" / f"{name}.h" for name in (
     "shared", "ops", "bf16_gemm", "tree_attention", "commit_rows", "argmax_rows", "topk_rows", "screened_argmax",
     "q4_gemm"))
@@ -101,7 +101,7 @@ ISA_ENV = envs.KERNEL_ISA  # avx2 forces the AVX2 build on an AVX-512 CPU (to te
 def isa() -> Isa | None:
     """The kernels' build for this CPU: AVX-512 where it has AVX-512 BF16 and VNNI, else AVX2 + FMA, else None
     ($EAGLESPEC_KERNEL_ISA=avx2 picks the AVX2 build where both would run)."""
-    from .platform import cpu_flags
+    from ...platform import cpu_flags
 
     flags = cpu_flags()
     forced = envs.kernel_isa()
@@ -121,7 +121,7 @@ def can_build() -> bool:
     """True where torch's extension builder can compile the kernel: a C++ compiler and ninja (a dependency)."""
     from torch.utils.cpp_extension import is_ninja_available
 
-    from .platform import cpu_compiler_available
+    from ...platform import cpu_compiler_available
 
     return cpu_compiler_available() and is_ninja_available()
 
@@ -162,7 +162,7 @@ def load() -> None:
     def _(x: Tensor, packed: Tensor, scale: Tensor, n: int, bias: Tensor | None) -> Tensor:
         return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
-    if build_isa.has_q4:  # csrc/common/q4_gemm.h (eaglespec.q4)
+    if build_isa.has_q4:  # csrc/common/q4_gemm.h (eaglespec.backends.cpu.q4)
         @torch.library.register_fake("eaglespec::q4_linear")
         def _(x: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor:
             return x.new_empty(x.shape[0], n)
@@ -208,7 +208,7 @@ def variant() -> str:
     model and instruction set (~50 ms, with this process's threads) and cached under ~/.cache/eaglespec/kernels, so
     that every run on a machine uses the same loop (the two give different bits; each is row-invariant). The AVX2
     build has the FMA loop only."""
-    from .platform import cache_root, cpu_flags, cpu_model
+    from ...platform import cache_root, cpu_flags, cpu_model
 
     build = isa()
     loops = build.variants if build is not None else tuple(VARIANTS)

@@ -35,7 +35,7 @@ def available(dtype: torch.dtype, device: torch.device | str) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
     if dtype == torch.bfloat16:
-        from .platform import cpu_has_native_bf16
+        from ...platform import cpu_has_native_bf16
 
         return cpu_has_native_bf16() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return dtype == torch.float32

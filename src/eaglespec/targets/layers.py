@@ -1,7 +1,7 @@
-"""The layer math of a Llama-style decoder step, shared by the eager fast path (eaglespec.fastpath) and its compiled
-form (eaglespec.compiled): RMSNorm, RoPE, one decoder layer, and the decode step's attention with its KV-cache write.
-Pure functions of tensors; the products and the attention are passed in, so the same code runs on torch's
-operators or on eaglespec's kernels."""
+"""The layer math of a Llama-style decoder step, shared by the eager fast path (eaglespec.targets.fast) and its compiled
+form (eaglespec.backends.cpu.compiled): RMSNorm, RoPE, one decoder layer, and the decode step's attention with its
+KV-cache write. Pure functions of tensors; the products and the attention are passed in, so the same code runs on
+torch's operators or on eaglespec's kernels."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
 
 Linear = Callable[[Tensor], Tensor]  # x [..., K] -> [..., N]
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [H, n, hd], k, v [Hkv, n, hd]) -> [H, n, hd]
@@ -35,7 +34,8 @@ def decoder_layer(layer, x: Tensor, cos: Tensor, sin: Tensor, heads: tuple[int, 
                   attention_dtype: torch.dtype, attend: Attend) -> Tensor:
     """One Llama decoder layer over this step's n rows: x [n, d] -> [n, d]. `layer` has the fields of `_Layer`
     (its products may be packed, quantized, plain or `nn.Linear`); heads = (H, Hkv, hd); `attend` writes this
-    step's keys and values to the cache and attends (torch.compile traces this same function, eaglespec.compiled)."""
+    step's keys and values to the cache and attends (torch.compile traces this same function,
+    eaglespec.backends.cpu.compiled)."""
     n = x.shape[0]
     H, Hkv, hd = heads
     qkv = layer.qkv(rms_norm(x, layer.input_norm, eps))  # [n, (H + 2Hkv) hd]
@@ -64,16 +64,3 @@ def write_and_attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tens
     seen_keys, seen_values = seen_keys.to(q.dtype), values[:, : c + n].to(q.dtype)  # (a bfloat16 cache widened)
     return F.scaled_dot_product_attention(q[None], seen_keys[None], seen_values[None], attn_mask=mask,
                                           enable_gqa=q.shape[0] != k.shape[0])[0]
-
-
-def write_and_attend_tree(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, c: int,
-                          step_mask: Tensor | None) -> Tensor:
-    """`write_and_attend` through eaglespec's decode-step attention (csrc/common/tree_attention.h, float32, AVX-512 or AVX2):
-    each query row attends over the cached prefix and then its own path of step rows, in sequence order, so a
-    verified tree row gets the bits of the one-token step that would compute it. keys: [Hkv, hd, capacity], the
-    cache's keys transposed (the kernel scores 16 keys as one vector); values [Hkv, capacity, hd]. step_mask [n, n]
-    bool (row r sees step row s: its ancestors and itself) or None (causal; a one-token step). Returns [H, n, hd]."""
-    n = q.shape[1]
-    keys[:, :, c : c + n] = k.transpose(1, 2)
-    values[:, c : c + n] = v
-    return torch.ops.eaglespec.tree_attention(q, keys[:, :, : c + n], values[:, : c + n], step_mask)

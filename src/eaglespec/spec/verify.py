@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import bf16gemm
-from .errors import EagleSpecError
+from ..errors import EagleSpecError
 from .tree import DraftTree
 
 
@@ -119,6 +118,6 @@ def verify_sample(tree: DraftTree, probs: Tensor, generator: torch.Generator) ->
 def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from [V] logits (argmax when greedy)."""
     if params.greedy:
-        return int(bf16gemm.argmax_rows(logits[None])[0])
+        return int(logits.argmax())
     probs = target_probs(logits[None], params)[0].cpu()  # [V], on the CPU like the generator
     return int(torch.multinomial(probs, 1, generator=generator))

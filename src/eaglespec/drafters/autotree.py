@@ -23,7 +23,7 @@ the chosen tree and plain decoding generate the same prompts through the real lo
 kept only if it measured faster (`TreeChoice.speculate`). This calibration (a minute or two on a 2-core CPU) runs
 when asked for (`--tree calibrate`), and its choice is cached in `<cache>/trees/` only if no other process used the
 CPU meanwhile (eaglespec.cpuload). `--tree auto` reads that cache and, where there is none, starts from
-DEFAULT_TREES' setting for the CPU class without measuring anything; the adaptive policy (eaglespec.adaptive) then
+DEFAULT_TREES' setting for the CPU class without measuring anything; the adaptive policy (eaglespec.spec.adaptive) then
 decides while generating whether drafting pays.
 """
 
@@ -40,11 +40,11 @@ from pathlib import Path
 
 import torch
 
-from . import bf16gemm
-from .cpuload import LoadMonitor
-from .drafters import EagleDrafter, TreeSettings, VanillaDrafter
-from .platform import synchronize
-from .target import TargetModel
+from ..cpuload import LoadMonitor
+from ..platform import synchronize
+from ..targets.hf import TargetModel
+from .base import TreeSettings, VanillaDrafter
+from .eagle import EagleDrafter
 
 CALIBRATION_PROMPTS = (  # a mix of writing, code, arithmetic and knowledge
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -71,7 +71,7 @@ VERSION = 15  # bump when the calibration changes meaning (3: bfloat16 packed, f
 # What `--tree auto` uses before this machine is calibrated (`--tree calibrate`), by CPU class: the settings
 # calibrations chose for SmolLM2-135M's shipped heads (benchmarks/README.md): on AVX-512 BF16 machines (Zen 5,
 # Emerald Rapids) 4-6 tokens two levels deep; on AVX2 ones, whose wider verify passes cost more per row, the root's
-# best children only. The adaptive policy (eaglespec.adaptive) then stops drafting while generating where it does
+# best children only. The adaptive policy (eaglespec.spec.adaptive) then stops drafting while generating where it does
 # not pay.
 DEFAULT_TREES = {
     "gpu": TreeSettings(total_tokens=16, depth=5, top_k=4),
@@ -81,12 +81,10 @@ DEFAULT_TREES = {
 }
 
 
-def cpu_class() -> str:
-    """The key of DEFAULT_TREES for this machine: a CUDA GPU, or the CPU's kernel build (AVX-512, AVX2), else cpu."""
-    if torch.cuda.is_available():
-        return "gpu"
-    build = bf16gemm.isa()
-    return build.name if build is not None else "cpu"
+def cpu_class(target: TargetModel) -> str:
+    """The key of DEFAULT_TREES for `target` on this machine: a CUDA GPU, or the CPU's kernel build (AVX-512, AVX2),
+    else cpu."""
+    return target.hardware_class()
 
 
 @dataclass
@@ -138,11 +136,12 @@ class TreeChoice:
     cached: bool = False
     source: str = "calibrated"  # or "default": DEFAULT_TREES' setting for this CPU class, nothing measured
     load: str = ""  # what the other processes did while it was measured (eaglespec.cpuload)
+    hardware: str = ""  # the DEFAULT_TREES key a default was taken from
 
     @classmethod
-    def default(cls, settings: TreeSettings) -> "TreeChoice":
+    def default(cls, settings: TreeSettings, hardware: str) -> "TreeChoice":
         """An uncalibrated choice: `settings` as they are, drafting (the adaptive policy then measures)."""
-        return cls(settings, 0.0, 0.0, {}, {}, [], 0, source="default")
+        return cls(settings, 0.0, 0.0, {}, {}, [], 0, source="default", hardware=hardware)
 
     @property
     def vanilla_tokens_per_s(self) -> float:
@@ -163,7 +162,7 @@ class TreeChoice:
         s = self.settings
         if self.source == "default":
             return (f"tree auto: total_tokens={s.total_tokens} depth={s.depth} top_k={s.top_k} (the default for "
-                    f"{cpu_class()} machines, not yet calibrated on this one; `--tree calibrate` measures it once, "
+                    f"{self.hardware} machines, not yet calibrated on this one; `--tree calibrate` measures it once, "
                     "a minute or two)")
         text = (f"tree auto: total_tokens={s.total_tokens} depth={s.depth} top_k={s.top_k} "
                 f"(expected tau {self.expected_tau:.2f}, ~{self.expected_tokens_per_s:.1f} tokens/s on this machine, "
@@ -340,7 +339,7 @@ def choose(rounds: list[Candidates], verify_ms: dict[int, float], draft_ms: dict
 # ---- caching and the entry point ----------------------------------------------------------------------------
 def machine_key() -> str:
     """CPU model and instruction set (VMs of one CPU name can expose different ones), GPU, threads, torch."""
-    from .platform import cpu_flags, cpu_model
+    from ..platform import cpu_flags, cpu_model
 
     cpu = f"{cpu_model()}|{hashlib.sha1(' '.join(sorted(cpu_flags())).encode()).hexdigest()[:8]}"
     if torch.cuda.is_available():
@@ -358,13 +357,7 @@ def _fingerprint(module: torch.nn.Module) -> str:
 
 def _target_key(target: TargetModel) -> str:
     return "|".join([str(VERSION), _fingerprint(target.model), type(target).__name__, str(target.dtype),
-                     str(target.quantize), str(getattr(target, "pack", False)),
-                     str(getattr(target, "row_invariant", False)), str(getattr(target, "compiled", False)),
-                     bf16gemm.variant() if getattr(target, "bf16_gemm", False) else "-",
-                     bf16gemm.isa().name if getattr(target, "attention_kernel", False) else "-",
-                     # the kernels' sources: a change to a product or the attention changes the costs measured
-                     bf16gemm.source_digest() if getattr(target, "bf16_gemm", False) else "-",
-                     f"q4x{getattr(target, 'q4_matrices', 0)}",
+                     target.backend_signature(),
                      getattr(target.config, "_name_or_path", ""), str(target.num_layers), str(target.hidden_size),
                      machine_key()])
 
@@ -375,13 +368,15 @@ def _digest(key: str) -> str:
 
 def cache_path(engine, mode: str) -> Path:
     """The cached choice for this head, target and machine."""
-    from .platform import cache_root
+    from ..platform import cache_root
 
-    return cache_root() / "trees" / f"{_digest(mode + '|' + _fingerprint(engine.head) + '|' + _target_key(engine.target))}.json"
+    return cache_root() / "trees" / (
+        f"{_digest(mode + '|' + _fingerprint(engine.head) + '|' + _target_key(engine.target))}.json"
+    )
 
 
 def _verify_cache_path(target: TargetModel) -> Path:
-    from .platform import cache_root
+    from ..platform import cache_root
 
     path = cache_root() / "trees" / f"verify-{_digest(_target_key(target))}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -409,7 +404,7 @@ def check_by_decoding(engine, settings: TreeSettings, prompts=CALIBRATION_PROMPT
     """(tokens/s with `settings`, tokens/s of plain decoding) through the real decoding loop: one untimed warm-up
     each, then the prompts decoded both ways, interleaved so a slow spell of the machine hits both. Plain decoding
     runs in a second decoder over the same target; the engine's own decoder keeps its drafter."""
-    from .decode import Finished, SpecDecoder
+    from ..spec.decode import Finished, SpecDecoder
 
     engine.decoder.drafter.settings = settings
     decoders = {"tree": engine.decoder, "plain": SpecDecoder(engine.target, engine.tokenizer, VanillaDrafter())}
@@ -443,11 +438,12 @@ def auto_tree(engine, prompts=CALIBRATION_PROMPTS, new_tokens: int = 80, stride:
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             path.unlink(missing_ok=True)  # unreadable: calibrate again
     if not calibrate:
-        settings = DEFAULT_TREES[cpu_class()]
+        hardware = cpu_class(engine.target)
+        settings = DEFAULT_TREES[hardware]
         if drafter.mode == "chain":
             settings = TreeSettings(total_tokens=settings.depth + 1, depth=settings.depth, top_k=1)
         drafter.settings = settings
-        return TreeChoice.default(settings)
+        return TreeChoice.default(settings, hardware)
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
     say(f"tree auto: calibrating the draft tree for this machine (cached in {path.parent}) ...")
     t0 = time.perf_counter()

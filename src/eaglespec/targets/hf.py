@@ -9,24 +9,32 @@ key/value tensors for the commit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from . import bf16gemm
-from .errors import EagleSpecError
+from ..errors import EagleSpecError
 
 FEATURE_KINDS = ("final", "eagle3")
+
+
+def _argmax_rows(logits: Tensor) -> Tensor:
+    return logits.argmax(-1)
 
 
 class TargetOutput:
     """A forward's next-token logits at every input position and the features a draft head reads."""
 
-    def __init__(self, logits: Tensor | None, features: Tensor | None, greedy_tokens: Tensor | None = None):
+    def __init__(self, logits: Tensor | None, features: Tensor | None, greedy_tokens: Tensor | None = None,
+                 argmax_rows: Callable[[Tensor], Tensor] | None = None):
         self.head_logits = logits  # [n, vocab] as the LM head gave them (bfloat16 for a bfloat16 model)
         self.features = features  # [n, F]: "final": post-norm last hidden (F=d); "eagle3": 3 layers fused (F=3d)
         # [n] int64: the greedy token of each row, where a `forward(..., greedy=True)` computed it instead of the
         # logits (FastTarget.greedy_head); then head_logits is None
         self.greedy_tokens = greedy_tokens
+        # [n, vocab] -> [n]: torch.argmax(-1)'s answer (first index of the maximum), the target's fastest way
+        self.argmax_rows = argmax_rows or _argmax_rows
         self._logits: Tensor | None = None
 
     @property
@@ -44,7 +52,7 @@ class TargetOutput:
         """The greedy (argmax) token of every row."""
         if self.greedy_tokens is not None:
             return self.greedy_tokens.tolist()
-        return bf16gemm.argmax_rows(self.head_logits).tolist()
+        return self.argmax_rows(self.head_logits).tolist()
 
 
 class TargetModel:
@@ -69,6 +77,15 @@ class TargetModel:
         self.sliding_window: int | None = window if window and "sliding_attention" in layer_types else None
         self.softcap: float | None = getattr(self.config, "final_logit_softcapping", None)
         self.reset()
+
+    # ---- what runs it ------------------------------------------------------------------------------
+    def hardware_class(self) -> str:
+        """The key of the per-machine tree defaults (drafters.autotree.DEFAULT_TREES)."""
+        return "gpu" if self.device.type == "cuda" else "cpu"
+
+    def backend_signature(self) -> str:
+        """What the costs of this target's steps depend on beyond its weights and shape (a cache key)."""
+        return "transformers"
 
     # ---- shape facts -------------------------------------------------------------------------------
     @property
@@ -204,7 +221,8 @@ class TargetModel:
         Returns (last [B, T, d]: post-norm last hidden, the LM head's input; features [B, T, F] of this adapter's
         feature_kind). Leaves the generation cache untouched."""
         if input_ids.shape[1] > self.max_context:
-            raise EagleSpecError(f"training sequence of {input_ids.shape[1]} tokens exceeds the context of {self.max_context}")
+            raise EagleSpecError(
+                f"training sequence of {input_ids.shape[1]} tokens exceeds the context of {self.max_context}")
         want_layers = self.feature_kind == "eagle3"
         out = self.decoder(
             input_ids=input_ids.to(self.device),

@@ -29,7 +29,7 @@ The graphs are called from C++ (inductor's `cpp_wrapper`) without per-call size 
 one tensor per layer (FastTarget._grow): dynamo's guards over views of one cache tensor cost ~1 ms a call.
 
 Where the products are that kernel, the graphs also attend through eaglespec's decode-step attention
-(`layers.write_and_attend_tree`, csrc/common/tree_attention.h) and round bfloat16 work where eager does
+(`attention.write_and_attend_tree`, csrc/common/tree_attention.h) and round bfloat16 work where eager does
 (`compile_settings`): every row of a verify pass then has the bits of the plain step that would compute it, so
 greedy speculative decoding equals plain decoding in bfloat16, as in eager steps through the same kernels.
 
@@ -56,9 +56,8 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from .errors import EagleSpecError
-from .platform import cpu_compiler_available
-
+from ...errors import EagleSpecError
+from ...platform import cpu_compiler_available
 
 RECOMPILE_LIMIT = 64  # graphs of DecodeStack.forward per process: three per compiled target
 GRAPH_KINDS = ("one", "small", "large")
@@ -104,7 +103,7 @@ class DecodeStack(nn.Module):
         self.layers = nn.ModuleList(_LayerModule(layer) for layer in layers)
         self.heads, self.eps, self.attention_dtype = heads, eps, attention_dtype
         self.feature_layers = tuple(feature_layers)
-        self.tree_kernel = tree_kernel  # attention through eaglespec's kernel (layers.write_and_attend_tree)
+        self.tree_kernel = tree_kernel  # attention through eaglespec's kernel (attention.write_and_attend_tree)
         self.owner = new_owner()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor], c: int,
@@ -114,7 +113,8 @@ class DecodeStack(nn.Module):
         one token. `kind` (`graph_kind`)
         and `owner` (this module's `owner`) only key the graph: dynamo guards on them, so each kind of step of each
         target gets its own compiled graph (`compile_stack` drops the guards on the module itself)."""
-        from .layers import decoder_layer, write_and_attend, write_and_attend_tree
+        from ...targets.layers import decoder_layer, write_and_attend
+        from .attention import write_and_attend_tree
 
         if kind not in GRAPH_KINDS or owner != self.owner:  # (read here so that dynamo guards on them)
             raise ValueError(f"graph kind {kind} of {owner} called on {self.owner}")
@@ -236,7 +236,7 @@ class HeadStep(nn.Module):
         """hidden, token_embeds [T, d]; past_keys/values [Hkv, S, hd] (contiguous: strides and a leading size-1
         dimension would be guarded on, one recompile per round); mask [T, S + T]; owner: this module's `owner`.
         Returns the output [T, d] and the keys and values with this step's rows appended [Hkv, S + T, hd]."""
-        from .heads.layer import KVCache
+        from ...heads.layer import KVCache
 
         if owner != self.owner:  # (read here so that dynamo guards on it: see DecodeStack.forward)
             raise ValueError(f"head step of {owner} called on {self.owner}")

@@ -1,6 +1,6 @@
 // Few-row products with weights stored as 4-bit blocks, for CPUs with AVX2 + FMA + F16C:
 // y[M, N] = x[M, K] W[N, K]^T (+ b), where every block of 32 consecutive k of a row of W is exactly d q + m with
-// q in [0, 15] and d, m float16 (llama.cpp's Q4_1 form; eaglespec.q4 finds it in float32 weights and packs it).
+// q in [0, 15] and d, m float16 (llama.cpp's Q4_1 form; eaglespec.backends.cpu.q4 finds it in float32 weights and packs it).
 //
 // Why: a decode step of a small model on a few cores is bound by reading its weights; 20 bytes per 32 weights here
 // against 64 in bfloat16 (SmolLM2-135M's layers: 66 MB a step instead of 212).
@@ -62,7 +62,7 @@ void linear_rows(const float* xs, const float* xsum, int64_t ldx, int64_t m, con
 
 void check_packed(const at::Tensor& packed, int64_t n, int64_t k) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlockBytes && packed.scalar_type() == at::kByte &&
-                  packed.is_contiguous(), "q4_linear: packed must come from eaglespec.q4.q4_pack");
+                  packed.is_contiguous(), "q4_linear: packed must come from eaglespec.backends.cpu.q4.q4_pack");
   TORCH_CHECK(k == packed.size(1) * kBlockK && n > (packed.size(0) - 1) * kCols && n <= packed.size(0) * kCols,
               "q4_linear: [", n, ", ", k, "] does not match the packed weight (", packed.size(0), " groups of 32 "
               "columns, ", packed.size(1), " blocks of 32 k)");

@@ -1,0 +1,220 @@
+"""The one place the CPU backend is applied to a target and to a drafter.
+
+`plan_target` decides what a fast-path target's products, decode-step attention and LM head run on (eaglespec's
+C++ kernels, oneDNN-packed products, weight-only quantization, torch.compile, or plain torch) and builds them;
+`eagle_drafter` does the same for an EAGLE head. The algorithm (eaglespec.spec, eaglespec.drafters) never looks
+behind these choices: it sees `Linear` callables, a head `step`, a `topk` and an `argmax_rows`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ...drafters.base import TreeSettings
+from ...drafters.eagle import EagleDrafter
+from ...errors import EagleSpecError
+from ...heads.base import DraftHead
+from . import attention, compiled, kernels, packed, q4
+from .quant import check_mode
+from .quant import quantize as quantize_linear
+
+Linear = Callable[[Tensor], Tensor]
+
+
+@dataclass
+class TargetKernels:
+    """What a `FastTarget` (eaglespec.targets.fast) runs on, decided once by `plan_target`."""
+
+    quantize: str | None  # "int8" / "int4" weight-only products (eaglespec.backends.cpu.quant), or None
+    compiled: bool  # decode steps through torch.compile (eaglespec.backends.cpu.compiled)
+    bf16_gemm: bool  # products and LM head through eaglespec's bfloat16 (and exact 4-bit) kernels
+    pack: bool  # products pre-packed for oneDNN (eaglespec.backends.cpu.packed)
+    row_invariant: bool  # decode steps attend row by row where the kernel does not (targets.fast's docstring)
+    attention_dtype: torch.dtype  # of the attention arithmetic
+    attention_kernel: bool  # eaglespec's decode-step attention builds for this head size
+    tree_kernel: bool  # every decode step attends through it, beside the kernels' products
+    cache_dtype: torch.dtype  # of the KV cache
+    keys_transposed: bool  # the kernel's key layout, [kv_heads, head_dim, capacity]
+    q4_matrices: int = 0  # layer matrices read as exact 4-bit blocks
+    q4_source: q4.Float32Source | None = field(default=None, repr=False)
+
+    @property
+    def argmax_rows(self) -> Callable[[Tensor], Tensor]:
+        """[n, vocab] -> [n] int64, torch.argmax(-1)'s answer, through the kernel where it is loaded."""
+        return kernels.argmax_rows
+
+    def hardware_class(self, device: torch.device) -> str:
+        """The key of the per-machine tree defaults (drafters.autotree.DEFAULT_TREES): "gpu", or this CPU's kernel
+        build ("avx512", "avx2"), else "cpu"."""
+        if device.type == "cuda":
+            return "gpu"
+        build = kernels.isa()
+        return build.name if build is not None else "cpu"
+
+    def signature(self) -> str:
+        """What the costs of this target's steps depend on beyond its weights and shape (a cache key)."""
+        return "|".join([
+            str(self.quantize), str(self.pack), str(self.row_invariant), str(self.compiled),
+            kernels.variant() if self.bf16_gemm else "-",
+            kernels.isa().name if self.attention_kernel else "-",
+            # the kernels' sources: a change to a product or the attention changes the costs measured
+            kernels.source_digest() if self.bf16_gemm else "-",
+            f"q4x{self.q4_matrices}",
+        ])
+
+    # the kernel's decode-step attention and cache commit (keys_transposed layout)
+    attend_tree = staticmethod(attention.write_and_attend_tree)
+    commit_rows = staticmethod(attention.commit_rows)
+
+    def warm_up(self, target) -> float:
+        """With `compiled`: compile the target's decode steps now (tens of seconds). Returns seconds."""
+        return compiled.warm_up(target) if self.compiled else 0.0
+
+    def load(self) -> None:
+        """Build and load the C++ kernels now where they are used (not in the middle of the first generation)."""
+        if self.bf16_gemm or self.attention_kernel:
+            kernels.load()
+
+    def linear(self, weight: Tensor, bias: Tensor | None = None) -> Linear:
+        """A product of the LM head or of an eager layer outside the kernels."""
+        if self.quantize:
+            return quantize_linear(weight, bias, self.quantize)
+        if self.pack:  # row-invariant steps: products too wide to be row-invariant are split (packed.py)
+            return packed.pack_row_invariant(weight, bias) if self.row_invariant else packed.pack(weight, bias)
+        return partial(F.linear, weight=weight.detach().contiguous(), bias=None if bias is None else bias.detach())
+
+    def layer_linear(self, weight: Tensor, bias: Tensor | None = None, parameters: tuple[Tensor, ...] = ()) -> Linear:
+        """A decoder layer's product: exact 4-bit blocks where the float32 checkpoint has that form (GGUF Q4_1, on
+        CPUs running the AVX2 kernels; `parameters` are the model's weights stacked in `weight`), else the bfloat16
+        kernel, else (compiled) a plain nn.Linear that inductor packs itself, else `linear`."""
+        if self.q4_source is not None and parameters:
+            blocks = self.q4_source.blocks(*parameters)
+            if blocks is not None:
+                self.q4_matrices += 1
+                return q4.Q4Linear(blocks, bias)
+        if self.bf16_gemm:
+            return kernels.Bf16Linear(weight, bias)
+        return compiled.linear_module(weight, bias) if self.compiled else self.linear(weight, bias)
+
+    def lm_head(self, head: nn.Module) -> tuple[Linear, kernels.GreedyHead | None]:
+        """(the logits product, the greedy head or None): with the kernels, greedy steps find their token without
+        computing every logit (kernels.GreedyHead)."""
+        if self.bf16_gemm:
+            greedy = None
+            if head.bias is None and bool(head.weight.isfinite().all()):
+                greedy = kernels.GreedyHead(head.weight)
+            return kernels.Bf16Linear(head.weight, head.bias), greedy
+        return (self.linear(head.weight, head.bias) if self.quantize or self.pack else head), None
+
+    def open_q4_source(self, model) -> None:
+        """Find the exact 4-bit blocks of `model`'s float32 checkpoint while its layers are fused (`close_q4_source`
+        after)."""
+        self.q4_source = q4.Float32Source(model) if self.bf16_gemm and q4.available() else None
+
+    def close_q4_source(self) -> None:
+        self.q4_source = None
+
+    def compile_stack(self, layers: list, heads: tuple[int, int, int], eps: float, features: tuple[int, ...],
+                      device: torch.device):
+        return compiled.compile_stack(layers, heads, eps, self.attention_dtype, features, device,
+                                      autotune=not self.bf16_gemm, tree_kernel=self.tree_kernel)
+
+
+def check_quantize(mode: str | None, device: torch.device | str = "cpu") -> str | None:
+    """A valid --quantize mode (None for none), or a clear error."""
+    return check_mode(mode, device)
+
+
+def plan_target(dtype: torch.dtype, device: torch.device, head_dim: int, quantize: str | None = None,
+                pack: bool | None = None, row_invariant: bool | None = None,
+                attention_dtype: torch.dtype | None = None, compile: bool = False,
+                use_kernels: bool | None = None) -> TargetKernels:
+    """Decide what a fast-path target with weights of `dtype` on `device` runs on; the arguments are FastTarget's
+    (None = wherever available)."""
+    quantize = check_mode(quantize, device)
+    can_kernel = quantize is None and kernels.available(dtype, device)
+    if use_kernels and not can_kernel:
+        raise EagleSpecError("eaglespec's kernels need bfloat16 weights on a CPU with AVX-512 BF16 or AVX2 + FMA, "
+                             "a C++ compiler, and no --quantize")
+    bf16_gemm = can_kernel if use_kernels is None else bool(use_kernels)
+    if compile:
+        # compiled graphs are row-invariant only with the kernels (they attend through the kernel too); the eager
+        # row-by-row attention of quantized / row_invariant targets has no compiled form
+        if quantize or (row_invariant and not bf16_gemm):
+            raise EagleSpecError(compiled.CONFLICT)
+        compiled.check_available(device)
+    can_pack = quantize is None and packed.available(dtype, device)
+    if pack and not can_pack:
+        raise EagleSpecError("pack=True needs float32 weights (or bfloat16 on a CPU with native bfloat16) on a CPU "
+                             "with oneDNN, and no --quantize")
+    # (the kernels' steps are row-invariant by construction, whatever this says)
+    invariant = quantize is not None if row_invariant is None else bool(row_invariant)
+    # Half-precision targets on a CPU keep the KV cache and attend in float32: torch's CPU attention on bfloat16
+    # costs 100-270 us per one-query call over 200-600 keys against 13-33 us in float32 (2 cores), which made
+    # attention a third of a bfloat16 decode step. Keys and values are rounded to the model dtype first (as the
+    # model computes them), so the cache holds the same values; only the attention arithmetic is wider.
+    half = dtype in (torch.bfloat16, torch.float16)
+    attention_dtype = attention_dtype or (torch.float32 if half and device.type == "cpu" else dtype)
+    # eaglespec's row-invariant decode-step attention (`attention.write_and_attend_tree`) where it builds: every decode
+    # step's attention beside the kernels' products (eager or compiled), and row-invariant steps (float32 --exact,
+    # quantized targets) instead of one attention call per row
+    attention_kernel = (attention_dtype == torch.float32 and head_dim % 16 == 0 and head_dim <= 256
+                        and kernels.available(torch.bfloat16, device))
+    tree_kernel = attention_kernel and bf16_gemm
+    if row_invariant is None and bf16_gemm and not attention_kernel:
+        invariant = True  # the kernel's products beside torch's attention (a head size it lacks): attend row by
+        # row, or a verify pass's batched attention would round rows differently from one-token steps
+    # A bfloat16 target's keys and values are bfloat16 values (rounded as the model computes them, in the compiled
+    # graphs too). Where every decode step attends through the kernel, which widens them itself, the cache keeps
+    # them in bfloat16: the same numbers in half the bytes, to read and to keep in the CPU's caches between steps.
+    # Prefills and other attention calls widen the slice they read (`write_and_attend`).
+    kernel_steps = tree_kernel or (attention_kernel and invariant)
+    cache_dtype = dtype if kernel_steps and dtype == torch.bfloat16 else attention_dtype
+    plan = TargetKernels(quantize=quantize, compiled=bool(compile), bf16_gemm=bf16_gemm,
+                         pack=can_pack if pack is None else bool(pack), row_invariant=invariant,
+                         attention_dtype=attention_dtype, attention_kernel=attention_kernel, tree_kernel=tree_kernel,
+                         cache_dtype=cache_dtype, keys_transposed=kernel_steps)
+    if kernel_steps:
+        kernels.load()
+    return plan
+
+
+def eagle_drafter(head: DraftHead, embed_tokens: nn.Module, lm_head: nn.Module, mode: str = "dynamic",
+                  settings: TreeSettings | None = None, compile: bool = False, use_kernels: bool = False,
+                  target_logits: Linear | None = None) -> EagleDrafter:
+    """An `EagleDrafter` whose head runs on this backend: its linear layers packed for oneDNN on a CPU (a copy; the
+    caller's head is left as it is), or with `use_kernels` (the target runs on them) through eaglespec's bfloat16
+    kernel where it applies, and there the draft vocabulary's LM-head rows through an int8 copy unless
+    EAGLESPEC_DRAFT_INT8=0 (kernels.Int8Linear: 8192 rows of SmolLM2's LM head 0.25 -> 0.17 ms a call; the drafts
+    may differ a little, the accepted output cannot). `compile`: the head's decoder-layer steps through
+    torch.compile (compiles here). `target_logits`: the target's packed LM head, which an EAGLE-1 head drafting over
+    the full vocabulary shares instead of packing a second copy."""
+    weight = next(head.parameters())
+    kernel = (use_kernels or compile) and kernels.available(weight.dtype, weight.device)
+    int8 = kernel and kernels.draft_int8()
+    run = kernels.with_kernel(head) if kernel else packed.pack_linears(head)
+    if int8 and isinstance(getattr(run, "lm_head", None), kernels.Bf16Linear):  # EAGLE-3's own LM head
+        run.lm_head = kernels.Int8Linear(head.lm_head.weight, head.lm_head.bias)
+    if hasattr(run, "pack_rows"):  # EAGLE-1: how to pack the target LM head's rows of the draft vocabulary
+        if kernel:
+            run.pack_rows = kernels.Int8Linear if int8 else kernels.Bf16Linear
+        elif packed.available(weight.dtype, weight.device):
+            run.pack_rows = packed.pack
+    step = run.step
+    if compile:
+        step_head = run if kernel else head  # (inductor packs plain nn.Linear layers itself)
+        step = compiled.compile_head_step(step_head, weight.device)
+        compiled.warm_up_head_step(step, step_head)
+    # the k best children of a node: eaglespec's top-k where the head runs through its kernels (the same children,
+    # up to the order of equal scores), else torch's
+    topk = kernels.topk_rows if kernel else None
+    drafter = EagleDrafter(run, embed_tokens, lm_head, mode, settings, step=step, topk=topk)
+    if target_logits is not None and not kernel and hasattr(run, "share_packed_lm_head"):
+        run.share_packed_lm_head(lm_head.weight, target_logits)
+    return drafter

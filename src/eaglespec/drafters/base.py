@@ -1,0 +1,58 @@
+"""The drafting interface the verifier does not look behind (`Drafter`), the tree settings, and `VanillaDrafter`,
+which proposes nothing (root only), so plain decoding runs through the very same loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from ..errors import EagleSpecError
+from ..spec.tree import DraftTree
+
+METHODS = ("eagle2", "eagle1", "chain", "vanilla", "pld", "sps")
+HEAD_METHODS = ("eagle2", "eagle1", "chain")  # methods that draft with an EAGLE head
+
+
+class Drafter:
+    """Proposes a tree rooted at the last committed token.
+
+    `draft(tokens, new_features)`: `tokens` [n + 1] is the whole committed sequence ending with the root (the
+    token the target chose last, not yet run through the target); `new_features` [k, F] are the target features
+    of the last k committed positions the drafter has not seen yet (positions n - k .. n - 1), or None.
+    """
+
+    name = "drafter"
+    needs_features = False
+
+    def reset(self) -> None:
+        """Forget the sequence (called before each new generation)."""
+
+    def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
+        raise NotImplementedError
+
+
+class VanillaDrafter(Drafter):
+    name = "vanilla"
+
+    def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
+        return DraftTree.root_only(int(tokens[-1]))
+
+
+@dataclass
+class TreeSettings:
+    """EAGLE-2 dynamic tree: `total_tokens` nodes verified (root included), `depth` draft levels, `top_k`
+    children per expanded node. EAGLE-1 static tree: `choices` (rank paths). Chain: `depth` top-1 steps."""
+
+    total_tokens: int = 16
+    depth: int = 5
+    top_k: int = 4
+    choices: list[list[int]] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("total_tokens", "depth", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1 or value > 1024:
+                raise EagleSpecError(f"tree setting {name} must be an integer between 1 and 1024, got {value!r}")
+        if self.total_tokens < 2:
+            raise EagleSpecError("tree setting total_tokens must be at least 2 (the root and one draft token)")
