@@ -114,7 +114,7 @@ def test_one_row_per_method_and_prompt_with_the_required_fields(run):
     out, methods, _ = run
     rows = read_rows(out / RESULTS)
     names = [m.name for m in methods] + ["altered"]
-    assert [m.name for m in methods[:7]] == list(LOOP_METHODS)
+    assert [m.name for m in methods[:len(LOOP_METHODS)]] == list(LOOP_METHODS)
     prompts = [(1, 1), (1, 2), ("q2", 1)]
     assert [(r["question_id"], r["turn"], r["variant"]) for r in rows] == [(q, t, n) for q, t in prompts for n in names]
     for r in rows:

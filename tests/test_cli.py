@@ -58,7 +58,7 @@ def test_raw_prompt_generates(capsys, model_dir):
     (["--compile", "--quantize", "int8"], "not --quantize"),
     (["--backend", "hf", "--quantize", "int8"], "--quantize int8 needs eaglespec's fast path: drop --backend hf"),
     (["--backend", "hf", "--compile", "--exact"], "--exact and --compile need eaglespec's fast path"),
-    (["--draft-model", "smollm2-135m"], "add --method sps or drop --draft-model"),
+    (["--draft-model", "smollm2-135m"], "sps or staged: add one or drop --draft-model"),
     (["--method", "sps"], "--method sps needs --draft-model"),
     (["--method", "vanilla", "--head", "/no/such/head"], "--method vanilla drafts without a head: drop --head"),
     (["--method", "pld", "--head", "/no/such/head"], "drop --head"),

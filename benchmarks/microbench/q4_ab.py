@@ -1,79 +1,94 @@
-"""The 4-bit block product of this checkout against the one of another git revision, in one process: both sources are
-built side by side (their operators renamed into two namespaces), checked against a float64 product and for
-row-invariance, then all layer products of a SmolLM2-135M step (120 matrices, the real weights) are timed for each
-number of rows, the two builds alternating call by call so that a VM whose speed drifts affects both alike.
+"""The 4-bit block product of this checkout against the one of another git revision, in one process: both versions of
+the kernels are built side by side (their operators renamed into two namespaces, ab_kernels.py), checked against a
+float64 product and for row-invariance, then all layer products of a SmolLM2-135M step (120 matrices, the real
+weights) are timed for each number of rows, the two builds alternating call by call so that a VM whose speed drifts
+affects both alike.
 
-    python benchmarks/microbench/q4_ab.py --against d1b9b2b~1 [--rows 1,2,3,4,6,8] [--repeats 30] [--threads 2]
+    python benchmarks/microbench/q4_ab.py --against 823231a~1 [--rows 1,2,3,4,6,8] [--repeats 30] [--threads 2]
+        [--random]
 
-Prints the median milliseconds of a step's layer products (the LM head is not included) for each build (built with the
-AVX2 flags, which AVX-512 CPUs run too).
+--against takes a revision of the per-ISA layout (src/eaglespec/backends/cpu/csrc/ since git 823231a,
+src/eaglespec/csrc/ from e9119e2 until then; the 4-bit product is common/q4_gemm.h over avx2/q4_gemm.h); revisions of
+the older flat layout (csrc/avx2/q4_gemm.cpp, e.g. d1b9b2b~1) are refused. Both versions are the build this CPU loads
+(eaglespec.backends.cpu.kernels.isa(): the AVX-512 build compiles the AVX2 4-bit micro-kernels with its own flags;
+EAGLESPEC_KERNEL_ISA=avx2 picks the AVX2 build), with the working tree's flags for it. --random times random exact
+4-bit blocks of the step's shapes instead of the real weights (no model download). Prints the median milliseconds of
+a step's layer products (the LM head is not included) for each build.
 """
 
 import argparse
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
-from step_matrices import step_matrices
-from torch.utils.cpp_extension import load
+from ab_kernels import build
 
-from eaglespec.backends.cpu import kernels as bf16gemm
-from eaglespec.backends.cpu import q4
-
-SOURCE = "src/eaglespec/csrc/avx2/q4_gemm.cpp"
-ROOT = Path(__file__).resolve().parents[2]
+from eaglespec.backends.cpu import kernels, q4
 
 p = argparse.ArgumentParser()
-p.add_argument("--against", required=True, help="git revision whose q4_gemm.cpp to compare with")
+p.add_argument("--against", required=True, help="git revision whose 4-bit product to compare with")
 p.add_argument("--rows", default="1,2,3,4,6,8")
 p.add_argument("--repeats", type=int, default=30)
 p.add_argument("--threads", type=int, default=2)
+p.add_argument("--random", action="store_true",
+               help="random exact 4-bit blocks of the step's shapes instead of SmolLM2-135M's weights")
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 if not q4.available():
     raise SystemExit("the 4-bit block product needs a CPU with AVX2 + FMA + F16C (or AVX-512), and EAGLESPEC_Q4 not 0")
+ISA = kernels.isa()
 
-builds = {"this": (ROOT / SOURCE).read_text(),
-          args.against: subprocess.run(["git", "show", f"{args.against}:{SOURCE}"], cwd=ROOT, check=True,
-                                       capture_output=True, text=True).stdout}
-work = Path(tempfile.mkdtemp(prefix="q4_ab_"))
-namespaces = {}
-for i, (name, text) in enumerate(builds.items()):
-    namespaces[name] = f"q4ab{i}"
-    text = text.replace("TORCH_LIBRARY_FRAGMENT(eaglespec, m)", f"TORCH_LIBRARY_FRAGMENT(q4ab{i}, m)")
-    (work / f"q4ab{i}.cpp").write_text(text.replace("TORCH_LIBRARY_IMPL(eaglespec, CPU, m)",
-                                                    f"TORCH_LIBRARY_IMPL(q4ab{i}, CPU, m)"))
-load("q4_ab", [str(work / f"q4ab{i}.cpp") for i in range(len(builds))], build_directory=str(work),
-     extra_cflags=list(bf16gemm.ISAS["avx2"].flags), extra_ldflags=["-fopenmp"], is_python_module=False)
-ops = {name: getattr(torch.ops, ns).q4_linear for name, ns in namespaces.items()}
+ops = {}
+for name, rev, namespace in (("this", None, "eaglespec_ab_new"), (args.against, args.against, "eaglespec_ab_old")):
+    library, what = build(rev, namespace, ISA)
+    if not hasattr(library, "q4_linear"):
+        raise SystemExit(f"{what}: no q4_linear operator")
+    ops[name] = library.q4_linear
+    print(f"{'this' if rev is None else 'against'}: {what}")
 
-matrices = step_matrices()
-layers = [q4.Q4Linear(q4.find_blocks(w)) for w in matrices]
+
+def random_blocks(n: int, k: int, generator: torch.Generator) -> q4.Blocks:
+    """Q4_1-like blocks of a [n, k] weight: d ~ 0.004-0.012, m = -8 d (give or take), q uniform in [0, 15]."""
+    d = (0.004 + 0.008 * torch.rand(n, k // q4.BLOCK, generator=generator)).half()
+    m = (-d.float() * (7 + 2 * torch.rand(d.shape, generator=generator))).half()
+    return q4.Blocks(d, m, torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8))
+
+
+if args.random:
+    generator = torch.Generator().manual_seed(0)
+    all_blocks = [random_blocks(n, k, generator) for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30]
+else:
+    from step_matrices import step_matrices
+
+    all_blocks = [q4.find_blocks(w) for w in step_matrices()]  # each rebuilds its matrix bit for bit (Blocks.weight)
+    if any(blocks is None for blocks in all_blocks):
+        raise SystemExit("a layer matrix is not in exact 4-bit block form (not the Q4_1 GGUF's weights?)")
+# (packed, out_features, in_features), packed by eaglespec.backends.cpu.q4 (the layout both versions read); the
+# working tree's Q4Linear is not used, as it would load the real torch.ops.eaglespec build as well
+layers = [(q4.q4_pack(blocks), *blocks.q.shape) for blocks in all_blocks]
 torch.manual_seed(0)
 inputs = {k: torch.randn(16, k).bfloat16() for k in (576, 1536)}
 
 for index in (0, 2, 3):  # fused QKV, gate/up, down of layer 0
-    layer, exact_weight = layers[index], matrices[index].double()
-    x = inputs[layer.in_features][:9]
+    (packed, n, k), exact_weight = layers[index], all_blocks[index].weight().double()
+    x = inputs[k][:9]
     exact = x.double() @ exact_weight.T
     for name, op in ops.items():
-        y = op(x, layer.packed, layer.out_features, None)
+        y = op(x, packed, n, None)
         error = ((y.double() - exact).abs() / (exact.abs() + 1e-3)).max().item()
-        invariant = all(torch.equal(op(x[:m], layer.packed, layer.out_features, None), y[:m]) for m in range(1, 10))
+        invariant = all(torch.equal(op(x[:m], packed, n, None), y[:m]) for m in range(1, 10))
         print(f"matrix {index} {name}: max relative error {error:.2e}, row-invariant {invariant}")
 
 names = list(ops)
-print(f"{len(layers)} products, {args.threads} threads, medians of {args.repeats} interleaved rounds (ms)")
+print(f"{len(layers)} products ({'random 4-bit blocks' if args.random else 'SmolLM2-135M'}), {ISA.name} build, "
+      f"{args.threads} threads, medians of {args.repeats} interleaved rounds (ms)")
 for rows in (int(r) for r in args.rows.split(",")):
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(args.repeats + 2):  # the first two rounds warm up
         for name in names if round_ % 2 else names[::-1]:
             start = time.perf_counter()
-            for layer in layers:
-                ops[name](inputs[layer.in_features][:rows], layer.packed, layer.out_features, None)
+            for packed, n, k in layers:
+                ops[name](inputs[k][:rows], packed, n, None)
             if round_ >= 2:
                 times[name].append((time.perf_counter() - start) * 1e3)
     print(f"rows {rows}: " + ", ".join(f"{name} {statistics.median(t):.2f}" for name, t in times.items()))

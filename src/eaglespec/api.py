@@ -17,7 +17,7 @@ import torch
 from .backends.cpu import kernels as cpu_kernels
 from .backends.cpu.apply import eagle_drafter
 from .backends.cpu.quant import check_mode
-from .drafters import HEAD_METHODS, METHODS, Drafter, TreeSettings, VanillaDrafter
+from .drafters import DRAFT_MODEL_METHODS, HEAD_METHODS, METHODS, Drafter, TreeSettings, VanillaDrafter
 from .errors import EagleSpecError
 from .heads import DraftHead, check_head_fits, load_head
 from .models import DEFAULT_MODEL, load_target, shipped_head_dir
@@ -73,15 +73,17 @@ class Engine:
         `compile`: the target's decode steps through torch.compile (fast path; tens of seconds at start)."""
         if method not in METHODS:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
-        if method == "sps" and not draft_model:
-            raise EagleSpecError("method 'sps' needs a smaller draft model sharing the tokenizer: pass --draft-model")
+        if method in DRAFT_MODEL_METHODS and not draft_model:
+            raise EagleSpecError(f"method '{method}' needs a smaller draft model sharing the tokenizer: pass "
+                                 "--draft-model")
         device = parse_device(device)
         # (dtype auto: bfloat16 wherever eaglespec's bfloat16 kernels run)
         dtype = parse_dtype(dtype, device, bf16_kernels=cpu_kernels.available(torch.bfloat16, device))
         hf_model, tokenizer = load_target(model, dtype=dtype, device=device)
         self.notice = ""
         head_module = None
-        self.draft_hf_model = load_target(draft_model, dtype=dtype, device=device)[0] if method == "sps" else None
+        self.draft_hf_model = (load_target(draft_model, dtype=dtype, device=device)[0]
+                               if method in DRAFT_MODEL_METHODS else None)
         if method in HEAD_METHODS:
             head_dir = shipped_head_dir(model) if head == "auto" else (Path(head) if head else None)
             if head_dir is None:
@@ -110,8 +112,8 @@ class Engine:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
         if method in HEAD_METHODS and head is None:
             raise EagleSpecError(f"method '{method}' needs a draft head")
-        if method == "sps" and draft_hf_model is None:
-            raise EagleSpecError("method 'sps' needs a draft model")
+        if method in DRAFT_MODEL_METHODS and draft_hf_model is None:
+            raise EagleSpecError(f"method '{method}' needs a draft model")
         engine.draft_hf_model = draft_hf_model
         engine._setup(hf_model, tokenizer, head if method in HEAD_METHODS else None, method, tree, "the head",
                       backend, adapt, quantize, exact, compile)
@@ -158,10 +160,14 @@ class Engine:
             from .drafters.lookup import PromptLookupDrafter
 
             return PromptLookupDrafter(tree)
-        if method == "sps":
+        if method in DRAFT_MODEL_METHODS:
             from .drafters.draft_model import DraftModelDrafter
+            from .drafters.staged import StagedDrafter
 
-            return DraftModelDrafter(make_target(self.draft_hf_model, feature_kind=None, exact=False), tree)
+            # Not exact: a draft's bits change which tokens are proposed, never the output (steps on eaglespec's
+            # kernels are row-invariant anyway, and then staged drafts are sps's drafts)
+            draft_target = make_target(self.draft_hf_model, feature_kind=None, exact=False)
+            return (StagedDrafter if method == "staged" else DraftModelDrafter)(draft_target, tree)
         return VanillaDrafter()
 
     @property

@@ -70,10 +70,10 @@ def model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--head", default="auto", metavar="DIR",
                    help="draft head folder (EAGLE / EAGLE-3 layout); auto (default) = the head shipped for --model")
     g.add_argument("--method", default="eagle2", choices=METHODS, metavar="METHOD",
-                   help="eagle2 (default), eagle1, chain, vanilla (no draft), pld (prompt lookup), "
-                        "sps (--draft-model)")
+                   help="eagle2 (default), eagle1, chain, vanilla (no draft), pld (prompt lookup), sps, "
+                        "staged")
     g.add_argument("--draft-model", default=None, metavar="MODEL",
-                   help="with --method sps: a smaller model sharing the target's tokenizer")
+                   help="with --method sps or staged: a smaller model sharing the target's tokenizer")
     g.add_argument("--tree", default="auto", metavar="TREE",
                    help="auto (default), calibrate (measure now) or a fixed TOTAL,DEPTH,TOP_K such as 16,5,4")
 
@@ -167,14 +167,15 @@ def check_engine_options(args: argparse.Namespace) -> None:
 
 def check_combinations(args: argparse.Namespace) -> None:
     """Options that cannot work together with --method: one line saying what to drop, before any model loads."""
-    from .drafters import HEAD_METHODS
+    from .drafters import DRAFT_MODEL_METHODS, HEAD_METHODS
 
     check_engine_options(args)
     method = args.method
-    if args.draft_model and method != "sps":
-        raise EagleSpecError("--draft-model drafts for --method sps: add --method sps or drop --draft-model")
-    if method == "sps" and not args.draft_model:
-        raise EagleSpecError("--method sps needs --draft-model MODEL, a smaller model sharing the target's tokenizer")
+    if args.draft_model and method not in DRAFT_MODEL_METHODS:
+        raise EagleSpecError("--draft-model drafts for --method sps or staged: add one or drop --draft-model")
+    if method in DRAFT_MODEL_METHODS and not args.draft_model:
+        raise EagleSpecError(f"--method {method} needs --draft-model MODEL, a smaller model sharing the target's "
+                             "tokenizer")
     if method not in HEAD_METHODS:
         if args.head not in ("auto", None, ""):
             raise EagleSpecError(f"--method {method} drafts without a head: drop --head")

@@ -25,7 +25,7 @@ def register(subparsers, model_options, sampling_options) -> None:
     g.add_argument("--dataset", default="mt-bench",
                    help="mt-bench, humaneval, or a .jsonl file with question_id, category, turns (default mt-bench)")
     g.add_argument("--methods", default=None,
-                   help="comma-separated: vanilla, eagle2, eagle1, chain, eagle3, pld, sps, hf, hf-pld, hf-assisted, "
+                   help="comma-separated: vanilla, eagle2, eagle1, chain, eagle3, pld, sps, staged, hf, hf-pld, hf-assisted, "
                         "llamacpp; 'all' (default) = every one that can run here. vanilla is always included. "
                         "oracle (not in 'all', greedy only): drafts plain decoding's own answer, the tree's DEPTH "
                         "tokens a step, every one accepted at no draft cost: the ceiling of speculation here")

@@ -1,6 +1,6 @@
 """Everything the benchmark can time, behind one interface: `BenchMethod.generate(prompt_ids, ...) -> RunOutput`.
 
-- In-loop methods (`kind="ours"`): vanilla, eagle2, eagle1, chain, eagle3, pld, sps, each an `Engine` over the
+- In-loop methods (`kind="ours"`): vanilla, eagle2, eagle1, chain, eagle3, pld, sps, staged, each an `Engine` over the
   same loaded transformers model, so only the drafter differs; and `oracle` (eaglespec.bench.oracle: drafts
   plain decoding's own answer, the ceiling of speculation here; only when asked for, not in 'all').
 - Peers (`kind="peer"`): transformers `generate` (hf: plain greedy/sampling; hf-pld: prompt lookup; hf-assisted:
@@ -27,7 +27,7 @@ from ..spec.adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
 from .base import BenchMethod, LoopMethod, RunOutput, Sampling, cut_after_eos
 from .oracle import OracleMethod
 
-LOOP_METHODS = ("vanilla", "eagle2", "eagle1", "chain", "eagle3", "pld", "sps")
+LOOP_METHODS = ("vanilla", "eagle2", "eagle1", "chain", "eagle3", "pld", "sps", "staged")
 PEER_METHODS = ("hf", "hf-pld", "hf-assisted", "llamacpp")
 ALL_METHODS = LOOP_METHODS + PEER_METHODS  # what 'all' runs
 CEILING_METHODS = ("oracle",)  # measurements, not methods: run only when named
@@ -36,7 +36,7 @@ TREE_KEYS = ("total_tokens", "depth", "top_k")
 # Which in-loop methods a swept tree setting changes (the others run once, unswept).
 SWEEP_AFFECTS = {
     "total_tokens": ("eagle2", "eagle3"),
-    "depth": ("eagle2", "eagle3", "chain", "pld", "sps", "oracle"),
+    "depth": ("eagle2", "eagle3", "chain", "pld", "sps", "staged", "oracle"),
     "top_k": ("eagle2", "eagle3"),
 }
 HF_PLD_TOKENS = 10  # transformers' documented prompt_lookup_num_tokens example value
@@ -132,7 +132,7 @@ class MethodContext:
     tree: TreeSettings | str  # or "auto" (calibrated per head, see eaglespec.drafters.autotree)
     head_dir: Path | None = None  # EAGLE head for eagle2 / eagle1 / chain
     head3_dir: Path | None = None  # EAGLE-3 head for eagle3
-    draft_model: object | None = None  # sps and hf-assisted
+    draft_model: object | None = None  # sps, staged and hf-assisted
     dtype: torch.dtype = torch.float32
     threads: int = 1
     eos_ids: list[int] = field(default_factory=list)
@@ -167,7 +167,7 @@ def unavailable_reason(method: str, ctx: MethodContext) -> str | None:
         return "no EAGLE draft head (pass --head DIR, or wait for a shipped head)"
     if method == "eagle3" and ctx.head3_dir is None:
         return "no EAGLE-3 head (pass --head3 DIR)"
-    if method in ("sps", "hf-assisted") and ctx.draft_model is None:
+    if method in ("sps", "staged", "hf-assisted") and ctx.draft_model is None:
         return "no draft model (pass --draft-model)"
     if method == "llamacpp":
         if importlib.util.find_spec("llama_cpp") is None:
@@ -271,7 +271,7 @@ def build_methods(names: list[str], ctx: MethodContext,
             base = TreeSettings() if ctx.tree == "auto" else ctx.tree
             tree = ctx.tree if value is None else TreeSettings(**{**_tree_dict(base), sweep[0]: value})
             engine = Engine.from_model(ctx.model, ctx.tokenizer, head=head, method=engine_method, tree=tree,
-                                       draft_hf_model=ctx.draft_model if name == "sps" else None,
+                                       draft_hf_model=ctx.draft_model if name in ("sps", "staged") else None,
                                        backend=ctx.backend, adapt=False, quantize=ctx.quantize,
                                        exact=ctx.exact, compile=ctx.compile)
             settings = {"target": type(engine.target).__name__, "quantize": ctx.quantize}
@@ -291,7 +291,7 @@ def build_methods(names: list[str], ctx: MethodContext,
             if head is not None:
                 settings["head"] = str(ctx.head3_dir if name == "eagle3" else ctx.head_dir)
                 settings["head_kind"] = head.config.kind
-            if name == "sps":
+            if name in ("sps", "staged"):
                 settings["draft_model"] = getattr(ctx.draft_model.config, "_name_or_path", "") or "draft model"
             label = name if value is None else f"{name}@{sweep[0]}={value}"
             methods.append(LoopMethod(label, name, engine, settings, None if value is None else {sweep[0]: value},

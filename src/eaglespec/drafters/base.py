@@ -10,8 +10,9 @@ from torch import Tensor
 from ..errors import EagleSpecError
 from ..spec.tree import DraftTree
 
-METHODS = ("eagle2", "eagle1", "chain", "vanilla", "pld", "sps")
+METHODS = ("eagle2", "eagle1", "chain", "vanilla", "pld", "sps", "staged")
 HEAD_METHODS = ("eagle2", "eagle1", "chain")  # methods that draft with an EAGLE head
+DRAFT_MODEL_METHODS = ("sps", "staged")  # methods that draft with a smaller model sharing the tokenizer
 
 
 class Drafter:

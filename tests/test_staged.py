@@ -1,0 +1,130 @@
+"""Staged speculative decoding's second stage (`staged`): the draft model verifies stage-2 guesses in one forward.
+Greedy output equals plain decoding; the drafts are the draft model's own greedy chain (those of `sps`) with fewer
+draft-model forwards when the guesses are right and no more when they are wrong; sampled output follows the target
+distribution (statistical test, with the power to catch a broken acceptance rule)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TinyTokenizer, make_model
+from test_sampling import PARAMS, PROMPT as SAMPLING_PROMPT, RUNS, accept_first_in_support, chi_square_p_value
+from test_sampling import exact_distribution
+from test_sps import PROMPT, record_forwards, vanilla
+
+from eaglespec.api import Engine
+from eaglespec.drafters import TreeSettings
+from eaglespec.drafters.draft_model import DraftModelDrafter
+from eaglespec.drafters.staged import StagedDrafter, context_lookup
+from eaglespec.spec.decode import SpecDecoder
+from eaglespec.spec.verify import SamplingParams, verify_sample
+from eaglespec.targets.fast import FastTarget, make_target
+from eaglespec.targets.hf import TargetModel
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("depth", [1, 3, 5])
+def test_greedy_output_equals_vanilla(arch, depth):
+    target, tok = make_model(arch, seed=0), TinyTokenizer()
+    draft = make_model(arch, seed=1, layers=2)
+    expected = vanilla(target, PROMPT * 3, 32)  # a repetitive prompt: prompt lookup has something to guess
+    engine = Engine.from_model(target, tok, method="staged", tree=TreeSettings(depth=depth), draft_hf_model=draft)
+    assert isinstance(engine.drafter, StagedDrafter)
+    assert engine.drafter.rolls_back == (arch != "gemma3")  # gemma3: drafts as sps does, one token a forward
+    assert engine.generate(PROMPT * 3, max_new_tokens=32).tokens == expected
+    assert engine.generate(PROMPT * 3, max_new_tokens=32).tokens == expected  # and again on the same engine
+
+
+def greedy_continuation(model, ids: list[int], n: int) -> list[int]:
+    """The model's own argmax continuation of `ids`, end-of-sequence tokens included (transformers, no cache)."""
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq], device=model.device)).logits[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+def oracle_stage2(draft_model, wrong: bool = False):
+    """A stage 2 that guesses the draft model's own greedy continuation (or, with `wrong`, a token it never
+    chooses first), to pin down how many forwards a round takes."""
+    def guess(tokens: torch.Tensor, length: int) -> list[int]:
+        if length < 1:
+            return []
+        right = greedy_continuation(draft_model, tokens.tolist(), length)
+        return [(right[0] + 1) % draft_model.config.vocab_size] * length if wrong else right
+
+    return guess
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("wrong", [False, True])
+def test_drafts_are_the_draft_models_chain_in_fewer_forwards(arch, wrong):
+    draft = make_model(arch, seed=1, layers=2)
+    depth, guesses = 5, 4
+    staged = StagedDrafter(make_target(draft, feature_kind=None, exact=True), TreeSettings(depth=depth),
+                           stage2=oracle_stage2(draft, wrong), guesses=guesses)
+    sps = DraftModelDrafter(make_target(draft, feature_kind=None, exact=True), TreeSettings(depth=depth))
+    assert isinstance(staged.model, FastTarget)
+    sizes = record_forwards(staged)
+    ids = [4, 5, 6, 7]
+    for accepted in (2, 0, depth, 1):  # rounds: the target accepts some drafts, then adds its bonus token
+        sizes.clear()
+        trees = [d.draft(torch.tensor(ids), None) for d in (staged, sps)]
+        drafts = trees[0].tokens[1:].tolist()
+        assert drafts == trees[1].tokens[1:].tolist() == greedy_continuation(draft, ids, depth)
+        if wrong:  # every guess rejected: one token a forward, as sps, each forward wider by the guesses it tried
+            assert len(sizes) == depth
+            assert sizes[1:] == [1 + min(guesses, depth - 2 - i) for i in range(depth - 1)]
+        else:  # the catch-up, then one forward of the last token and depth - 2 right guesses
+            assert len(sizes) == 2 and sizes[1] == depth - 1
+        # the draft cache keeps the sequence and the drafts but the last, as sps's does
+        assert staged.model.cache_len == sps.model.cache_len == len(ids) + depth - 1
+        assert staged.seen == sps.seen == ids + drafts[:-1]
+        bonus = 7 if accepted == depth or drafts[accepted] != 7 else 8
+        ids = ids + drafts[:accepted] + [bonus]
+    assert staged.guesses_accepted == (0 if wrong else staged.guessed) and staged.guessed > 0
+
+
+def test_guesses_past_the_chain_are_not_asked_for():
+    draft = make_model("llama", seed=1, layers=2)
+    asked: list[int] = []
+
+    def stage2(tokens, length):
+        asked.append(length)
+        return [1] * (length + 3)  # more than asked: cut to what fits the chain
+
+    staged = StagedDrafter(make_target(draft, feature_kind=None), TreeSettings(depth=3), stage2=stage2, guesses=8)
+    tree = staged.draft(torch.tensor([4, 5, 6]), None)
+    assert len(tree) == 4 and all(0 <= n <= 1 for n in asked) and asked
+    with pytest.raises(ValueError, match="guesses"):
+        StagedDrafter(make_target(draft, feature_kind=None), stage2=stage2, guesses=0)
+
+
+def sample_sequences(model, verifier, runs: int) -> list[tuple[int, ...]]:
+    # the target drafts for itself through the staged drafter: long accepted chains, so a wrong rule shows
+    drafter = StagedDrafter(make_target(model, feature_kind=None, exact=False), TreeSettings(depth=3),
+                            stage2=context_lookup(max_ngram=2), guesses=2)
+    decoder = SpecDecoder(TargetModel(model, feature_kind=None), TinyTokenizer(), drafter, eos_token_ids=[],
+                          sample_verifier=verifier)
+    out = []
+    for seed in range(runs):
+        params = SamplingParams(PARAMS.temperature, PARAMS.top_p, PARAMS.top_k, seed=seed)
+        *_, finished = decoder.stream(SAMPLING_PROMPT, max_new_tokens=3, sampling=params)
+        out.append(tuple(finished.tokens))
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_and_exact():
+    model = make_model("llama", seed=7, layers=2)
+    return model, exact_distribution(model, 3)
+
+
+def test_sampled_output_follows_the_target_distribution(model_and_exact):
+    model, exact = model_and_exact
+    assert chi_square_p_value(sample_sequences(model, verify_sample, RUNS), exact) > 1e-3
+
+
+def test_the_statistical_test_catches_a_broken_rule_with_staged_drafts(model_and_exact):
+    model, exact = model_and_exact
+    assert chi_square_p_value(sample_sequences(model, accept_first_in_support, RUNS), exact) < 1e-3
