@@ -128,3 +128,79 @@ def test_sampled_output_follows_the_target_distribution(model_and_exact):
 def test_the_statistical_test_catches_a_broken_rule_with_staged_drafts(model_and_exact):
     model, exact = model_and_exact
     assert chi_square_p_value(sample_sequences(model, accept_first_in_support, RUNS), exact) < 1e-3
+
+
+# ---- the corpus n-gram model (stage 2) -----------------------------------------------------------------------
+def test_ngram_model_keeps_each_contexts_most_frequent_next_token_and_backs_off():
+    from eaglespec.drafters.ngram import NgramModel
+
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 2, 3], [7, 2, 9], [7, 2, 9], [8, 8]]
+    model = NgramModel.build(seqs, vocab_size=10, min_count=2)
+    assert model.next_token(1, 2) == 3  # (1, 2) -> 3 three times, 6 once
+    assert model.next_token(7, 2) == 9
+    assert model.next_token(4, 2) == 3  # (4, 2) never seen: back off to 2 -> 3 (3 of 6 times)
+    assert model.next_token(2, 3) == 4  # (2, 3) -> 4 and 5 once each: the tie goes to the lower id
+    assert model.next_token(None, 8) is None and model.next_token(9, 8) is None  # 8 -> 8 once: below min_count
+    assert model(torch.tensor([5, 1, 2]), 3) == [3, 4]  # (1, 2) -> 3, (2, 3) -> 4, then nothing after (3, 4) or 4
+    every = NgramModel.build(seqs, vocab_size=10, min_count=1)
+    assert every.next_token(2, 3) == 4 and every.next_token(None, 8) == 8
+    assert every(torch.tensor([1, 2]), 3) == [3, 4]  # chained argmaxes: (1,2)->3, (2,3)->4, then (3,4) unseen, 4 unseen
+    with pytest.raises(ValueError, match="vocabulary"):
+        NgramModel.build([[1, 12]], vocab_size=10)
+
+
+def test_ngram_model_round_trips_through_its_file_and_refuses_others(tmp_path):
+    from safetensors.torch import save_file
+
+    from eaglespec.drafters.ngram import NgramModel
+    from eaglespec.errors import CheckpointError
+
+    model = NgramModel.build([[1, 2, 3, 1, 2, 3, 1, 2]], vocab_size=151936, min_count=1)
+    model.save(tmp_path / "ngram.safetensors")
+    loaded = NgramModel.load(tmp_path / "ngram.safetensors")
+    assert loaded.vocab_size == 151936 and loaded(torch.tensor([9, 1]), 4) == model(torch.tensor([9, 1]), 4) == [2, 3, 1, 2]
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(CheckpointError, match="not an eaglespec n-gram model"):
+        NgramModel.load(tmp_path / "other.safetensors")
+    with pytest.raises(CheckpointError, match="train ngram"):
+        NgramModel.load(tmp_path / "missing.safetensors")
+
+
+def test_stage2_chain_takes_the_first_stage_that_guesses():
+    from eaglespec.drafters.ngram import Stage2Chain
+
+    chain_ = Stage2Chain([lambda t, n: [], lambda t, n: [7] * n, lambda t, n: [8] * n])
+    assert chain_(torch.tensor([1]), 2) == [7, 7] and Stage2Chain([])(torch.tensor([1]), 2) == []
+
+
+def test_staged_engine_with_a_corpus_model_equals_vanilla(tmp_path):
+    from eaglespec.drafters.ngram import NgramModel, Stage2Chain
+
+    target, tok = make_model("qwen2", seed=0), TinyTokenizer()
+    draft = make_model("qwen2", seed=1, layers=2)
+    expected = vanilla(target, PROMPT, 24)
+    corpus = [greedy_continuation(draft, PROMPT[:k], 12) for k in range(2, len(PROMPT))]  # text the draft wrote
+    NgramModel.build(corpus, target.config.vocab_size, min_count=1).save(tmp_path / "ngram.safetensors")
+    engine = Engine.from_model(target, tok, method="staged", tree=TreeSettings(depth=4), draft_hf_model=draft,
+                               ngram=tmp_path / "ngram.safetensors")
+    assert isinstance(engine.drafter.stage2, Stage2Chain)
+    assert engine.generate(PROMPT, max_new_tokens=24).tokens == expected
+    assert engine.drafter.guessed > 0  # the corpus model guessed (the prompt alone has no repeated n-gram)
+
+
+def test_cli_builds_an_ngram_model_and_refuses_it_without_staged(tmp_path, capsys):
+    from test_train import conversations, make_tokenizer, write_sharegpt
+
+    from eaglespec.cli import main
+    from eaglespec.drafters.ngram import NgramModel
+
+    model_dir = tmp_path / "tiny-model"
+    make_model("llama", seed=1, vocab=48, layers=2).save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    data = write_sharegpt(tmp_path / "data.json", conversations(8, seed=2))
+    out = tmp_path / "ngram.safetensors"
+    assert main(["train", "ngram", "--model", str(model_dir), "--data", data, "--out", str(out),
+                 "--min-count", "1"]) == 0
+    assert NgramModel.load(out).contexts > 0 and "n-gram model of" in capsys.readouterr().err
+    assert main(["generate", "hi", "--ngram", str(out)]) == 2
+    assert "--method staged" in capsys.readouterr().err

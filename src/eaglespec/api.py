@@ -57,6 +57,7 @@ class Engine:
         quantize: str | None = None,
         exact: bool | None = None,
         compile: bool = False,
+        ngram: str | Path | None = None,
     ):
         """`tree`: "auto" (EAGLE-2 / chain: this machine's cached calibration, else a default for its CPU class,
         refined while generating by the adaptive policy), "calibrate" (measure now, cache when undisturbed), explicit
@@ -70,7 +71,9 @@ class Engine:
         token; None (the default) = on wherever the fast path runs on a CPU (free with eaglespec's kernels, row-by-row
         attention elsewhere), off on a GPU (see `fastpath.make_target`). `device`: "auto" (the first CUDA GPU torch
         sees, else the CPU), "cpu", "cuda" or "cuda:N".
-        `compile`: the target's decode steps through torch.compile (fast path; tens of seconds at start)."""
+        `compile`: the target's decode steps through torch.compile (fast path; tens of seconds at start).
+        `ngram` (method "staged"): a corpus n-gram model (`eaglespec train ngram`) guessing the draft model's chain
+        where the context's own n-grams do not."""
         if method not in METHODS:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
         if method in DRAFT_MODEL_METHODS and not draft_model:
@@ -81,6 +84,7 @@ class Engine:
         dtype = parse_dtype(dtype, device, bf16_kernels=cpu_kernels.available(torch.bfloat16, device))
         hf_model, tokenizer = load_target(model, dtype=dtype, device=device)
         self.notice = ""
+        self.ngram = ngram
         head_module = None
         self.draft_hf_model = (load_target(draft_model, dtype=dtype, device=device)[0]
                                if method in DRAFT_MODEL_METHODS else None)
@@ -102,7 +106,7 @@ class Engine:
     def from_model(cls, hf_model, tokenizer, head: DraftHead | None = None, method: str = "eagle2",
                    tree: TreeSettings | str | None = None, draft_hf_model=None, backend: str = "auto",
                    adapt: bool = True, quantize: str | None = None, exact: bool | None = None,
-                   compile: bool = False) -> "Engine":
+                   compile: bool = False, ngram: str | Path | None = None) -> "Engine":
         """Wrap an already loaded transformers model (and optionally a head, or a draft model for sps).
         `tree` as for `Engine()`, but None (the fixed defaults) by default. A head on another device than the model
         is moved to the model's (in place, as `nn.Module.to` does)."""
@@ -115,6 +119,7 @@ class Engine:
         if method in DRAFT_MODEL_METHODS and draft_hf_model is None:
             raise EagleSpecError(f"method '{method}' needs a draft model")
         engine.draft_hf_model = draft_hf_model
+        engine.ngram = ngram
         engine._setup(hf_model, tokenizer, head if method in HEAD_METHODS else None, method, tree, "the head",
                       backend, adapt, quantize, exact, compile)
         return engine
@@ -162,12 +167,18 @@ class Engine:
             return PromptLookupDrafter(tree)
         if method in DRAFT_MODEL_METHODS:
             from .drafters.draft_model import DraftModelDrafter
-            from .drafters.staged import StagedDrafter
+            from .drafters.ngram import NgramModel, Stage2Chain
+            from .drafters.staged import StagedDrafter, context_lookup
 
             # Not exact: a draft's bits change which tokens are proposed, never the output (steps on eaglespec's
             # kernels are row-invariant anyway, and then staged drafts are sps's drafts)
             draft_target = make_target(self.draft_hf_model, feature_kind=None, exact=False)
-            return (StagedDrafter if method == "staged" else DraftModelDrafter)(draft_target, tree)
+            if method == "sps":
+                return DraftModelDrafter(draft_target, tree)
+            stage2 = context_lookup()
+            if self.ngram is not None:  # the context's n-grams first, then the corpus model's
+                stage2 = Stage2Chain([stage2, NgramModel.load(self.ngram)])
+            return StagedDrafter(draft_target, tree, stage2=stage2)
         return VanillaDrafter()
 
     @property

@@ -94,6 +94,8 @@ def model_options(p: argparse.ArgumentParser) -> None:
     e.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                    help="int8 / int4 weight-only target on a CPU (a slightly different model, decoded "
                         "losslessly)")
+    e.add_argument("--ngram", default=None, metavar="FILE",
+                   help="--method staged: a corpus n-gram model (eaglespec train ngram) for the second stage")
     e.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="EAGLE-1 head: draft over its N most frequent tokens (0: all; default: the head's)")
     for option in ("--total-tokens", "--depth", "--tree-top-k"):
@@ -176,6 +178,8 @@ def check_combinations(args: argparse.Namespace) -> None:
     if method in DRAFT_MODEL_METHODS and not args.draft_model:
         raise EagleSpecError(f"--method {method} needs --draft-model MODEL, a smaller model sharing the target's "
                              "tokenizer")
+    if getattr(args, "ngram", None) and method != "staged":
+        raise EagleSpecError("--ngram is the second stage of --method staged: add --method staged or drop --ngram")
     if method not in HEAD_METHODS:
         if args.head not in ("auto", None, ""):
             raise EagleSpecError(f"--method {method} drafts without a head: drop --head")
@@ -231,7 +235,8 @@ def build_engine(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     engine = Engine(model=args.model, head=args.head, method=args.method, device=args.device, dtype=args.dtype,
                     tree=tree_from_args(args), draft_model=args.draft_model, backend=args.backend,
-                    draft_vocab=args.draft_vocab, quantize=args.quantize, exact=args.exact, compile=args.compile)
+                    draft_vocab=args.draft_vocab, quantize=args.quantize, exact=args.exact, compile=args.compile,
+                    ngram=args.ngram)
     if engine.notice:
         print(f"note: {engine.notice}", file=sys.stderr)
     return engine

@@ -156,7 +156,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         threads=torch.get_num_threads(), eos_ids=eos_ids_of(model, tokenizer),
                         backend=getattr(args, "backend", "auto"), draft_vocab=args.draft_vocab,
                         quantize=None if args.quantize == "none" else args.quantize, exact=args.exact,
-                        compile=args.compile, adapt=args.adapt)
+                        compile=args.compile, adapt=args.adapt, ngram=getattr(args, "ngram", None))
     if requested.strip() == "all":
         skipped = [(n, unavailable_reason(n, ctx)) for n in names]
         for n, reason in skipped:
@@ -185,7 +185,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   "compile": args.compile, "adapt": args.adapt,
                   "tree": tree if isinstance(tree, str) else {"total_tokens": tree.total_tokens,
                                                               "depth": tree.depth, "top_k": tree.top_k},
-                  "draft_vocab": args.draft_vocab,
+                  "draft_vocab": args.draft_vocab, "ngram": getattr(args, "ngram", None),
                   "sweep": args.sweep, "head": str(head) if head else None, "head3": str(head3) if head3 else None,
                   "draft_model": args.draft_model, "categories": args.categories, "limit": args.limit,
                   "per_category": args.per_category, "turns": args.turns,

@@ -133,6 +133,7 @@ class MethodContext:
     head_dir: Path | None = None  # EAGLE head for eagle2 / eagle1 / chain
     head3_dir: Path | None = None  # EAGLE-3 head for eagle3
     draft_model: object | None = None  # sps, staged and hf-assisted
+    ngram: str | None = None  # staged: a corpus n-gram model for its second stage
     dtype: torch.dtype = torch.float32
     threads: int = 1
     eos_ids: list[int] = field(default_factory=list)
@@ -273,7 +274,8 @@ def build_methods(names: list[str], ctx: MethodContext,
             engine = Engine.from_model(ctx.model, ctx.tokenizer, head=head, method=engine_method, tree=tree,
                                        draft_hf_model=ctx.draft_model if name in ("sps", "staged") else None,
                                        backend=ctx.backend, adapt=False, quantize=ctx.quantize,
-                                       exact=ctx.exact, compile=ctx.compile)
+                                       exact=ctx.exact, compile=ctx.compile,
+                                       ngram=ctx.ngram if name == "staged" else None)
             settings = {"target": type(engine.target).__name__, "quantize": ctx.quantize}
             if name != "vanilla":
                 drafter_settings = getattr(engine.drafter, "settings", None)

@@ -62,6 +62,31 @@ def _answer_engine(args: argparse.Namespace):
     return generate, tokenizer
 
 
+def cmd_ngram(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from ..drafters.ngram import NgramModel
+    from ..models import load_tokenizer
+    from .data import encode_conversation, read_conversations
+
+    tokenizer, _ = load_tokenizer(args.model)
+    convs = [c for path in args.data for c in read_conversations(path)]
+    sequences = []
+    for conv in tqdm(convs, desc="tokenizing", unit="conversation"):
+        example = encode_conversation(tokenizer, conv, max_length=args.max_length)
+        if example is not None:
+            sequences.append(example.input_ids.tolist())
+    if not sequences:
+        raise EagleSpecError("no conversation with an assistant turn in --data: nothing to count")
+    model = NgramModel.build(sequences, len(tokenizer), min_count=args.min_count)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    model.save(args.out)
+    size = Path(args.out).stat().st_size
+    print(f"n-gram model of {sum(map(len, sequences)):,} tokens: {model.tri_keys.numel():,} trigram and "
+          f"{model.bi_keys.numel():,} bigram contexts, {size / 2**20:.1f} MiB -> {args.out}", file=sys.stderr)
+    return 0
+
+
 def register(subparsers, model_options=None, sampling_options=None) -> None:
     p = subparsers.add_parser("train", help="train an EAGLE-1 / EAGLE-3 draft head (data, then head)")
     sub = p.add_subparsers(dest="train_command", required=True)
@@ -83,6 +108,13 @@ def register(subparsers, model_options=None, sampling_options=None) -> None:
                    help="what writes the answers: transformers (batched, any model) or llama.cpp on the GGUF file "
                         "itself (pip install llama-cpp-python; about 2-3x faster on a CPU)")
     d.set_defaults(func=cmd_data)
+    n = sub.add_parser("ngram", help="count a stage-2 n-gram model for --method staged (from text the models wrote)")
+    _model_arg(n)
+    n.add_argument("--data", nargs="+", required=True, help="ShareGPT-format .json/.jsonl file(s), e.g. train data's")
+    n.add_argument("--out", required=True, help="output file (safetensors)")
+    n.add_argument("--min-count", type=int, default=2, help="keep contexts seen at least this often (default: 2)")
+    n.add_argument("--max-length", type=int, default=4096, help="tokens per conversation at most")
+    n.set_defaults(func=cmd_ngram)
     register_head(sub)
     register_eval(sub)
     register_export(subparsers)
