@@ -106,7 +106,7 @@ def register(subparsers, model_options=None, sampling_options=None) -> None:
                    help="weights of the transformers engine")
     d.add_argument("--engine", default="transformers", choices=["transformers", "llamacpp"],
                    help="what writes the answers: transformers (batched, any model) or llama.cpp on the GGUF file "
-                        "itself (pip install llama-cpp-python; about 2-3x faster on a CPU)")
+                        "itself (pip install llama-cpp-python; its 4-bit products suit a CPU)")
     d.set_defaults(func=cmd_data)
     n = sub.add_parser("ngram", help="count a stage-2 n-gram model for --method staged (from text the models wrote)")
     _model_arg(n)
