@@ -64,3 +64,22 @@ def test_a_wide_tree_at_the_end_of_the_context_fits():
     fast = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle1"), tree=tree, backend="fast")
     generic = Engine.from_model(model, TinyTokenizer(), method="vanilla", backend="hf")
     assert fast.generate(prompt, max_new_tokens=10).tokens == generic.generate(prompt, max_new_tokens=10).tokens
+
+
+def test_targets_of_one_model_and_plan_share_their_packed_weights():
+    """The bench's methods (and engines sharing a model) build one fast target each: with the same plan they hold
+    one copy of the fused, packed weights between them, and still answer as a target of their own."""
+    model = make_model("qwen2", seed=0)
+    first, second = (FastTarget(model, "final") for _ in range(2))
+    assert second.layers is first.layers and second.logits_head is first.logits_head
+    assert all(a.qkv is b.qkv for a, b in zip(first.layers, second.layers))
+    other_plan = FastTarget(model, "final", row_invariant=True)  # another plan: its own weights
+    assert other_plan.layers is not first.layers
+    assert FastTarget(make_model("qwen2", seed=0), "final").layers is not first.layers  # another model
+    tokens = torch.tensor(PROMPTS[0])
+    logits = []
+    for target in (first, second):
+        logits.append(target.forward(tokens).logits)
+        target.commit()
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+    assert first.cache_len == second.cache_len == tokens.numel()  # each its own cache

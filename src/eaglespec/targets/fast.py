@@ -29,6 +29,7 @@ The prompt prefill is one batched call in every mode (nothing is compared with i
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from functools import partial
 
@@ -42,6 +43,7 @@ from .hf import TargetModel, TargetOutput
 from .layers import Linear, decoder_layer, rms_norm, write_and_attend
 
 SUPPORTED = ("llama", "qwen2")
+_BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {plan key: its fused, packed weights}
 
 
 def supports(model) -> bool:
@@ -99,11 +101,18 @@ class FastTarget(TargetModel):
         self.row_invariant, self.attention_dtype = k.row_invariant, k.attention_dtype
         self.attention_kernel, self.tree_kernel = k.attention_kernel, k.tree_kernel
         self.cache_dtype, self.keys_transposed = k.cache_dtype, k.keys_transposed
-        self.logits_head, self.greedy_head = k.lm_head(self.lm_head)  # greedy steps' token without every logit
-        k.open_q4_source(model)
-        self.layers = [self._fuse(layer) for layer in self.decoder.layers]
-        k.close_q4_source()
-        self.q4_matrices = k.q4_matrices  # layer matrices read as exact 4-bit blocks
+        # The fused and packed weights, built once per model and plan: targets built from one model with the same
+        # plan (the bench's methods, engines sharing a model) share them instead of holding a copy each (read-only).
+        built = _BUILT.setdefault(model, {})
+        key = (*k.weights_key(), self.dtype, str(self.device))
+        if key not in built:
+            logits_head, greedy_head = k.lm_head(self.lm_head)  # greedy steps' token without every logit
+            k.open_q4_source(model)
+            layers = [self._fuse(layer) for layer in self.decoder.layers]
+            k.close_q4_source()
+            built[key] = (layers, logits_head, greedy_head, k.q4_matrices)
+        self.layers, self.logits_head, self.greedy_head, self.q4_matrices = built[key]
+        k.q4_matrices = self.q4_matrices  # layer matrices read as exact 4-bit blocks
         self.final_norm = self.decoder.norm.weight.detach()
         self.stack = None  # the compiled layers (decode steps), with --compile
         self.compiled_steps = 0  # forwards that ran through it

@@ -57,6 +57,12 @@ class TargetKernels:
         build = kernels.isa()
         return build.name if build is not None else "cpu"
 
+    def weights_key(self) -> tuple:
+        """What the fused, packed weights built for a target depend on besides the model: targets of one model with
+        the same key can share them."""
+        return (self.quantize, self.compiled, self.bf16_gemm, self.pack, self.row_invariant,
+                kernels.variant() if self.bf16_gemm else None, self.bf16_gemm and q4.available())
+
     def signature(self) -> str:
         """What the costs of this target's steps depend on beyond its weights and shape (a cache key)."""
         return "|".join([
