@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import TinyTokenizer, make_model
 from test_sampling import PARAMS, PROMPT as SAMPLING_PROMPT, RUNS, accept_first_in_support, chi_square_p_value
-from test_sampling import exact_distribution
+from test_sampling import model_and_exact  # noqa: F401 (a fixture: the tiny target and its exact distribution)
 from test_sps import PROMPT, record_forwards, vanilla
 
 from eaglespec.api import Engine
@@ -112,12 +112,6 @@ def sample_sequences(model, verifier, runs: int) -> list[tuple[int, ...]]:
         *_, finished = decoder.stream(SAMPLING_PROMPT, max_new_tokens=3, sampling=params)
         out.append(tuple(finished.tokens))
     return out
-
-
-@pytest.fixture(scope="module")
-def model_and_exact():
-    model = make_model("llama", seed=7, layers=2)
-    return model, exact_distribution(model, 3)
 
 
 def test_sampled_output_follows_the_target_distribution(model_and_exact):
