@@ -114,12 +114,12 @@ def sample_sequences(model, verifier, runs: int) -> list[tuple[int, ...]]:
     return out
 
 
-def test_sampled_output_follows_the_target_distribution(model_and_exact):
+def test_sampled_output_follows_the_target_distribution(model_and_exact):  # noqa: F811
     model, exact = model_and_exact
     assert chi_square_p_value(sample_sequences(model, verify_sample, RUNS), exact) > 1e-3
 
 
-def test_the_statistical_test_catches_a_broken_rule_with_staged_drafts(model_and_exact):
+def test_the_statistical_test_catches_a_broken_rule_with_staged_drafts(model_and_exact):  # noqa: F811
     model, exact = model_and_exact
     assert chi_square_p_value(sample_sequences(model, accept_first_in_support, RUNS), exact) < 1e-3
 
@@ -152,7 +152,8 @@ def test_ngram_model_round_trips_through_its_file_and_refuses_others(tmp_path):
     model = NgramModel.build([[1, 2, 3, 1, 2, 3, 1, 2]], vocab_size=151936, min_count=1)
     model.save(tmp_path / "ngram.safetensors")
     loaded = NgramModel.load(tmp_path / "ngram.safetensors")
-    assert loaded.vocab_size == 151936 and loaded(torch.tensor([9, 1]), 4) == model(torch.tensor([9, 1]), 4) == [2, 3, 1, 2]
+    assert loaded.vocab_size == 151936
+    assert loaded(torch.tensor([9, 1]), 4) == model(torch.tensor([9, 1]), 4) == [2, 3, 1, 2]
     save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(CheckpointError, match="not an eaglespec n-gram model"):
         NgramModel.load(tmp_path / "other.safetensors")
