@@ -83,3 +83,8 @@ def test_targets_of_one_model_and_plan_share_their_packed_weights():
         target.commit()
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
     assert first.cache_len == second.cache_len == tokens.numel()  # each its own cache
+    with torch.no_grad():  # a weight changed in place: a target built now reads the new weights
+        model.model.layers[0].mlp.down_proj.weight[0, 0] += 1
+    changed = FastTarget(model, "final")
+    assert changed.layers is not first.layers
+    assert FastTarget(model, "final").layers is changed.layers

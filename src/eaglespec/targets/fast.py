@@ -43,7 +43,16 @@ from .hf import TargetModel, TargetOutput
 from .layers import Linear, decoder_layer, rms_norm, write_and_attend
 
 SUPPORTED = ("llama", "qwen2")
-_BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {plan key: its fused, packed weights}
+_BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (weights state, {plan: built weights})
+
+
+def _weights_state(model) -> tuple | None:
+    """Each parameter's storage and in-place version counter: changes when a weight is modified or replaced.
+    None where versions are not tracked (inference tensors), and then nothing is shared."""
+    try:
+        return tuple((p.data_ptr(), p._version) for p in model.parameters())
+    except RuntimeError:
+        return None
 
 
 def supports(model) -> bool:
@@ -101,17 +110,23 @@ class FastTarget(TargetModel):
         self.row_invariant, self.attention_dtype = k.row_invariant, k.attention_dtype
         self.attention_kernel, self.tree_kernel = k.attention_kernel, k.tree_kernel
         self.cache_dtype, self.keys_transposed = k.cache_dtype, k.keys_transposed
-        # The fused and packed weights, built once per model and plan: targets built from one model with the same
-        # plan (the bench's methods, engines sharing a model) share them instead of holding a copy each (read-only).
-        built = _BUILT.setdefault(model, {})
+        # The fused and packed weights, built once per model, plan and state of its weights: targets built from one
+        # model with the same plan (the bench's methods, engines sharing a model) share them instead of holding a
+        # copy each (read-only). A weight changed in place or replaced since gives the model a new state.
+        state = _weights_state(model)
         key = (*k.weights_key(), self.dtype, str(self.device))
-        if key not in built:
+        built = _BUILT.get(model)
+        if built is None or built[0] != state or state is None:
+            built = (state, {})
+            if state is not None:
+                _BUILT[model] = built  # (a changed model's older copies go)
+        if key not in built[1]:
             logits_head, greedy_head = k.lm_head(self.lm_head)  # greedy steps' token without every logit
             k.open_q4_source(model)
             layers = [self._fuse(layer) for layer in self.decoder.layers]
             k.close_q4_source()
-            built[key] = (layers, logits_head, greedy_head, k.q4_matrices)
-        self.layers, self.logits_head, self.greedy_head, self.q4_matrices = built[key]
+            built[1][key] = (layers, logits_head, greedy_head, k.q4_matrices)
+        self.layers, self.logits_head, self.greedy_head, self.q4_matrices = built[1][key]
         k.q4_matrices = self.q4_matrices  # layer matrices read as exact 4-bit blocks
         self.final_norm = self.decoder.norm.weight.detach()
         self.stack = None  # the compiled layers (decode steps), with --compile
