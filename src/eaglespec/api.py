@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from .backends.cpu import kernels as cpu_kernels
 from .backends.cpu.apply import eagle_drafter
@@ -23,12 +24,15 @@ from .heads import DraftHead, check_head_fits, load_head
 from .models import DEFAULT_MODEL, load_target, shipped_head_dir
 from .platform import parse_device, parse_dtype
 from .spec.adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
+from .spec.batch import BatchDecoder
 from .spec.decode import Finished, GenerationStats, SpecDecoder, Step
 from .spec.verify import SamplingParams
 from .targets.fast import make_target
+from .targets.pool import TargetPool
 
 Prompt = str | list[dict]
 MODES = {"eagle2": "dynamic", "eagle1": "static", "chain": "chain"}
+DEFAULT_MAX_BATCH = 8  # sequences decoded together (Engine.batch_decoder, eaglespec serve --max-batch)
 
 
 @dataclass
@@ -222,6 +226,40 @@ class Engine:
             if isinstance(item, Finished):
                 return GenerationResult(item.text, item.tokens, item.stats, self.method)
         raise RuntimeError("the decoding loop ended without a result")
+
+    def batch_decoder(self, max_batch: int = DEFAULT_MAX_BATCH, speculate: str = "auto") -> BatchDecoder:
+        """A continuous-batching decoder over this engine's model and drafting method (eaglespec.spec.batch): up to
+        `max_batch` sequences decode together, each with its own draft tree or none (`speculate`: "auto" drafts
+        where the measured costs say it pays at the current batch width, "always", "never"). Its KV-cache slots
+        are allocated now; the weights are shared with this engine."""
+        drafter = getattr(self.drafter, "inner", self.drafter)  # (the batch decides per step, not the adaptive policy)
+        pool = TargetPool(self.target, max_batch)
+        return BatchDecoder(pool, self.tokenizer, drafter, sorted(self.decoder.eos), speculate=speculate)
+
+    def generate_batch(self, prompts: list[Prompt | list[int]], max_new_tokens: int = 256, temperature: float = 0.0,
+                       top_p: float = 1.0, top_k: int = 0, seed: int | list[int | None] | None = None,
+                       stop: list[str] | None = None, chat: bool | None = None, system: str | None = None,
+                       max_batch: int = DEFAULT_MAX_BATCH, speculate: str = "auto",
+                       progress: bool = False) -> list[GenerationResult]:
+        """Generate for many prompts at once through a batch decoder (continuous batching: a finished prompt's slot
+        goes to the next); results in the order of `prompts`. `seed`: one for all, or one per prompt (each
+        sequence samples with its own generator). Greedy results equal `generate`'s for each prompt (see
+        eaglespec.targets.pool for where that holds)."""
+        seeds = seed if isinstance(seed, list) else [seed] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise EagleSpecError(f"got {len(seeds)} seeds for {len(prompts)} prompts: give one seed or one per prompt")
+        batch = self.batch_decoder(min(max_batch, max(len(prompts), 1)), speculate)
+        for i, (prompt, s) in enumerate(zip(prompts, seeds)):
+            ids = prompt if _is_token_list(prompt) else self.encode(prompt, chat=chat, system=system)
+            sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=s)
+            batch.add(i, ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop)
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        with tqdm(total=len(prompts), desc="batch", unit="prompt", disable=not progress) as bar:
+            for key, item in batch.run():
+                if isinstance(item, Finished):
+                    results[key] = GenerationResult(item.text, item.tokens, item.stats, self.method)
+                    bar.update()
+        return results
 
 
 def _is_token_list(prompt) -> bool:

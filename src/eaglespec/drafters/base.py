@@ -3,6 +3,7 @@ which proposes nothing (root only), so plain decoding runs through the very same
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -31,6 +32,13 @@ class Drafter:
 
     def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
         raise NotImplementedError
+
+    def fork(self) -> "Drafter":
+        """A drafter of the same kind and settings, sharing its weights, with its own empty state: one for each
+        sequence of a batch (eaglespec.spec.batch)."""
+        clone = copy.copy(self)
+        clone.reset()
+        return clone
 
 
 class VanillaDrafter(Drafter):

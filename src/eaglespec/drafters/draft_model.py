@@ -20,6 +20,8 @@ from the common prefix.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 
@@ -50,6 +52,14 @@ class DraftModelDrafter(Drafter):
     def length(self) -> int:
         """Drafted tokens per round (the chain below the root)."""
         return min(self.settings.depth, self.settings.total_tokens - 1)
+
+    def fork(self) -> "DraftModelDrafter":
+        """`Drafter.fork`: the draft model's weights shared, its own KV cache (a sibling target)."""
+        clone = copy.copy(self)
+        clone.model = self.model.sibling()
+        clone.forwards = 0
+        clone.reset()
+        return clone
 
     def reset(self) -> None:
         self.model.reset()

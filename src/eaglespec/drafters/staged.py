@@ -55,6 +55,11 @@ class StagedDrafter(DraftModelDrafter):
         self.guessed = 0  # stage-2 tokens proposed so far
         self.guesses_accepted = 0  # of them, those the draft model agreed with
 
+    def fork(self) -> "StagedDrafter":
+        clone = super().fork()
+        clone.guessed = clone.guesses_accepted = 0
+        return clone
+
     def _extend(self, context: list[int], proposal: list[int], length: int) -> list[int]:
         """Run the last proposed token with stage 2's guesses after it in one forward; return the draft model's
         greedy tokens it confirms (1 + accepted guesses, at most `length - len(proposal)`)."""

@@ -13,6 +13,7 @@ reads them all in one batched catch-up when drafting resumes.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections import deque
@@ -119,6 +120,10 @@ class AdaptiveDrafter(Drafter):
         self.last_mode: str | None = None
         self.last_length = 0  # tokens (committed + root) at the last call
         self.timed = False  # whether the round that ends at the next call is to be timed
+
+    def fork(self) -> "AdaptiveDrafter":
+        """`Drafter.fork`: the inner drafter forked, a fresh copy of the policy."""
+        return AdaptiveDrafter(self.inner.fork(), copy.deepcopy(self.policy), self.clock)
 
     def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
         now = self.clock()

@@ -10,10 +10,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from ..drafters import Drafter
 from ..errors import EagleSpecError
-from ..targets.hf import TargetModel
+from ..targets.hf import TargetModel, TargetOutput
+from .tree import DraftTree
 from .verify import (
     SamplingParams,
     sample_token,
@@ -158,6 +160,99 @@ class TextStream:
         return self._release(text, len(text))
 
 
+class Sequence:
+    """One sequence's decoding state between target forwards: what was generated, the tokens the last forward
+    produced (`pending`), its drafter and statistics. `SpecDecoder` runs one at a time; `spec.batch.BatchDecoder`
+    runs many, verifying all their trees in one target forward. Both call, in this order: `start` (with the prefill's
+    output), then `emit` -> `draft` -> (the target's forward) -> `accept` until `emit` says `done`, then `finish`."""
+
+    def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams, tokenizer,
+                 stop: list[str] | None, eos: set[int], drafter: Drafter, sample_verifier=verify_sample):
+        self.prompt_ids, self.max_new_tokens, self.sampling = prompt_ids, max_new_tokens, sampling
+        self.eos, self.drafter, self.sample_verifier = eos, drafter, sample_verifier
+        self.gen = None if sampling.greedy else sampling.generator()
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.text = TextStream(tokenizer, stop or [])
+        self.generated: list[int] = []
+        # prompt + generated tokens, written in place as they are emitted (a tensor built from the whole list on
+        # every step cost ~0.1 ms at a few hundred tokens); drafters get the view of the committed part + root.
+        self.sequence = torch.empty(len(prompt_ids) + max_new_tokens, dtype=torch.long)
+        self.sequence[: len(prompt_ids)] = torch.tensor(prompt_ids)
+        self.length = len(prompt_ids)
+        self.pending: list[int] = []  # tokens the last forward produced, not emitted yet
+        self.new_features: Tensor | None = None  # target features of the positions the drafter has not seen
+        self.done = False
+        # what the next `Step` reports of the forward that produced `pending`
+        self.accepted, self.tree_size, self.tree_depth, self.t_draft, self.t_verify = 0, 1, 0, 0.0, 0.0
+
+    def start(self, out: TargetOutput, prefill_time: float) -> None:
+        """The prefill's output (its last row's logits or greedy token) gives the first root."""
+        greedy = self.sampling.greedy
+        root = out.greedy()[-1] if greedy else sample_token(out.head_logits[-1], self.sampling, self.gen)
+        self.new_features = out.features if self.drafter.needs_features else None
+        self.stats.prefill_time = self.t_verify = prefill_time
+        self.pending = [root]
+
+    def emit(self) -> Step:
+        """Emit what the last forward produced, trimmed at EOS, at a stop string and at the length budget."""
+        stats, text = self.stats, self.text
+        emit = []
+        for tok in self.pending:
+            if len(self.generated) + len(emit) >= self.max_new_tokens:
+                break
+            emit.append(tok)
+            if tok in self.eos:
+                stats.finish_reason = "stop"
+                break
+        self.generated.extend(emit)
+        self.sequence[self.length : self.length + len(emit)] = torch.tensor(emit, dtype=torch.long)
+        self.length += len(emit)
+        piece = text.push(emit)
+        if text.stopped:
+            stats.finish_reason = "stop"
+        self.done = stats.finish_reason == "stop" or len(self.generated) >= self.max_new_tokens
+        if self.done:
+            piece += text.flush()
+        return Step(emit, piece, self.accepted, self.tree_size, self.t_draft, self.t_verify, self.tree_depth)
+
+    def draft(self, room: int) -> DraftTree:
+        """The drafter's tree for the next forward, cut to `room` levels (the deepest position the target's context
+        still has, counted from the root)."""
+        tree = self.drafter.draft(self.sequence[: self.length], self.new_features)  # committed tokens + the root
+        if tree.max_depth > room:
+            tree = tree.truncate_depth(max(room, 0))
+        return tree
+
+    def accept(self, tree: DraftTree, out: TargetOutput) -> Tensor:
+        """Verify `tree` against the target's output for it; returns the accepted nodes [m] (the target commits
+        their rows) and sets `pending` to the accepted tokens and the bonus token."""
+        if self.sampling.greedy:
+            verdict = walk_greedy(tree, out.greedy())
+        else:
+            verdict = self.sample_verifier(tree, target_probs(out.logits, self.sampling), self.gen)
+        keep = torch.tensor(verdict.accepted)
+        self.new_features = out.features[keep] if self.drafter.needs_features else None
+        self.accepted, self.tree_size, self.tree_depth = verdict.accepted_tokens, len(tree), tree.max_depth
+        stats = self.stats
+        stats.target_forwards += 1
+        stats.drafted_forwards += self.tree_size > 1
+        stats.record(self.accepted, self.tree_depth)
+        tokens = tree.token_list()
+        self.pending = [tokens[node] for node in verdict.accepted[1:]] + [verdict.bonus]
+        return keep
+
+    def timed(self, draft_time: float, verify_time: float) -> None:
+        """The last round's draft and verify seconds (what the next `Step` reports)."""
+        self.t_draft, self.t_verify = draft_time, verify_time
+        self.stats.draft_time += draft_time
+        self.stats.verify_time += verify_time
+
+    def finish(self, total_time: float) -> Finished:
+        self.stats.new_tokens = len(self.generated)
+        self.stats.total_time = total_time
+        return Finished(self.generated, self.text.released, self.stats)
+
+
 class SpecDecoder:
     """Speculative decoding of one sequence at a time with any `Drafter`."""
 
@@ -170,15 +265,12 @@ class SpecDecoder:
         self.eos = set(eos_token_ids)
 
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
-        if prompt_len == 0:
-            raise EagleSpecError("the prompt is empty: give at least one token of input")
-        if not isinstance(max_new_tokens, int) or not (1 <= max_new_tokens <= MAX_NEW_TOKENS_LIMIT):
-            raise EagleSpecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        if prompt_len + max_new_tokens > self.target.max_context:
-            raise EagleSpecError(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
-                f"{self.target.max_context} tokens; shorten the prompt or lower max_new_tokens"
-            )
+        check_request(prompt_len, max_new_tokens, self.target.max_context)
+
+    def new_sequence(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams,
+                     stop: list[str] | None, drafter: Drafter) -> Sequence:
+        return Sequence(prompt_ids, max_new_tokens, sampling, self.tokenizer, stop, self.eos, drafter,
+                        self.sample_verifier)
 
     def stream(
         self,
@@ -189,12 +281,9 @@ class SpecDecoder:
     ) -> Iterator[Step | Finished]:
         sampling = sampling or SamplingParams()
         self.check_request(len(prompt_ids), max_new_tokens)
-        gen = None if sampling.greedy else sampling.generator()
         target, drafter = self.target, self.drafter
-        stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        text = TextStream(self.tokenizer, stop or [])
-        generated: list[int] = []
         t_start = time.perf_counter()
+        seq = self.new_sequence(prompt_ids, max_new_tokens, sampling, stop, drafter)
         target.reset()
         drafter.reset()
 
@@ -202,73 +291,32 @@ class SpecDecoder:
         # needs logits (a whole prompt's rows through the LM head cost ~7 ms for 70 tokens on 2 cores).
         out = target.forward(torch.tensor(prompt_ids), logits_rows=slice(-1, None), greedy=sampling.greedy)
         target.commit()
-        root = out.greedy()[-1] if sampling.greedy else sample_token(out.head_logits[-1], sampling, gen)
-        new_features = out.features if drafter.needs_features else None
-        stats.prefill_time = time.perf_counter() - t_start
-        pending = [root]
-        # prompt + generated tokens, written in place as they are emitted (a tensor built from the whole list on
-        # every step cost ~0.1 ms at a few hundred tokens); drafters get the view of the committed part + root.
-        sequence = torch.empty(len(prompt_ids) + max_new_tokens, dtype=torch.long)
-        sequence[: len(prompt_ids)] = torch.tensor(prompt_ids)
-        length = len(prompt_ids)
-        accepted = 0
-        tree_size, tree_depth, t_draft, t_verify = 1, 0, 0.0, stats.prefill_time
-
+        seq.start(out, time.perf_counter() - t_start)
         while True:
-            # Emit what the last forward produced, trimmed at EOS and at the length budget.
-            emit = []
-            for tok in pending:
-                if len(generated) + len(emit) >= max_new_tokens:
-                    break
-                emit.append(tok)
-                if tok in self.eos:
-                    stats.finish_reason = "stop"
-                    break
-            generated.extend(emit)
-            sequence[length : length + len(emit)] = torch.tensor(emit, dtype=torch.long)
-            length += len(emit)
-            piece = text.push(emit)
-            done = stats.finish_reason == "stop" or text.stopped or len(generated) >= max_new_tokens
-            if text.stopped:
-                stats.finish_reason = "stop"
-            if done:
-                piece += text.flush()
-            yield Step(emit, piece, accepted, tree_size, t_draft, t_verify, tree_depth)
-            if done:
+            yield seq.emit()
+            if seq.done:
                 break
-
             t0 = time.perf_counter()
-            tree = drafter.draft(sequence[:length], new_features)  # committed tokens + the root
-            room = target.max_context - 1 - target.cache_len  # deepest node position allowed
-            if tree.max_depth > room:
-                tree = tree.truncate_depth(max(room, 0))
+            tree = seq.draft(room=target.max_context - 1 - target.cache_len)  # deepest node position allowed
             t1 = time.perf_counter()
-            positions = tree.positions(target.cache_len)
-            out = target.forward(tree.tokens, positions, tree.ancestor_mask(), greedy=sampling.greedy)
-            if sampling.greedy:
-                verdict = walk_greedy(tree, out.greedy())
-            else:
-                verdict = self.sample_verifier(tree, target_probs(out.logits, sampling), gen)
-            keep = torch.tensor(verdict.accepted)
-            target.commit(keep)
-            new_features = out.features[keep] if drafter.needs_features else None
-            t2 = time.perf_counter()
+            out = target.forward(tree.tokens, tree.positions(target.cache_len), tree.ancestor_mask(),
+                                 greedy=sampling.greedy)
+            target.commit(seq.accept(tree, out))
+            seq.timed(t1 - t0, time.perf_counter() - t1)
+        yield seq.finish(time.perf_counter() - t_start)
 
-            accepted = verdict.accepted_tokens
-            tree_size = len(tree)
-            t_draft, t_verify = t1 - t0, t2 - t1
-            stats.target_forwards += 1
-            stats.drafted_forwards += tree_size > 1
-            stats.draft_time += t_draft
-            stats.verify_time += t_verify
-            tree_depth = tree.max_depth
-            stats.record(accepted, tree_depth)
-            tokens = tree.token_list()
-            pending = [tokens[node] for node in verdict.accepted[1:]] + [verdict.bonus]
 
-        stats.new_tokens = len(generated)
-        stats.total_time = time.perf_counter() - t_start
-        yield Finished(generated, text.released, stats)
+def check_request(prompt_len: int, max_new_tokens: int, max_context: int) -> None:
+    """A clear error for a request no decoder can serve."""
+    if prompt_len == 0:
+        raise EagleSpecError("the prompt is empty: give at least one token of input")
+    if not isinstance(max_new_tokens, int) or not (1 <= max_new_tokens <= MAX_NEW_TOKENS_LIMIT):
+        raise EagleSpecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if prompt_len + max_new_tokens > max_context:
+        raise EagleSpecError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
+            f"{max_context} tokens; shorten the prompt or lower max_new_tokens"
+        )
 
 
 def eos_ids_of(model, tokenizer) -> list[int]:

@@ -125,6 +125,25 @@ class DraftTree:
         scores = None if self.scores is None else self.scores[keep]
         return DraftTree(self.tokens[keep], parents, scores)
 
+    def prune(self, size: int) -> "DraftTree":
+        """The best `size` nodes (root included): by path score where the tree has scores (a child never outscores
+        its parent, and ties keep the earlier node, so they form a tree), else the first `size` nodes (a prefix
+        of the node list is a tree). Node order is kept."""
+        if size >= len(self):
+            return self
+        tokens, parents, _ = self._as_lists()
+        if self.scores is None or size < 2:
+            chosen = list(range(max(size, 1)))
+        else:
+            scores = self.scores.tolist()
+            best = sorted(range(1, len(tokens)), key=lambda i: (-scores[i], i))[: size - 1]
+            chosen = [0] + sorted(best)
+        index = {old: new for new, old in enumerate(chosen)}
+        if any(parents[i] not in index for i in chosen[1:]):
+            raise ValueError("the pruned nodes do not form a tree: a child scores above its parent")
+        return DraftTree.from_lists([tokens[i] for i in chosen], [-1] + [index[parents[i]] for i in chosen[1:]],
+                                    None if self.scores is None else [float(self.scores[i]) for i in chosen])
+
     def path(self, node: int) -> list[int]:
         """Node indices from the root to `node`, inclusive."""
         parents = self._as_lists()[1]

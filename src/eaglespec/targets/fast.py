@@ -160,6 +160,13 @@ class FastTarget(TargetModel):
     def hardware_class(self) -> str:
         return self.kernels.hardware_class(self.device)
 
+    def sibling(self, initial_capacity: int = 1024) -> "FastTarget":
+        """`TargetModel.sibling`: the same plan (and so the same shared weights), eager steps (a batch's steps do
+        not run through the compiled stack), its own KV cache of `initial_capacity` rows."""
+        return FastTarget(self.model, self.feature_kind, initial_capacity, quantize=self.quantize, pack=self.pack,
+                          row_invariant=self.row_invariant, attention_dtype=self.attention_dtype,
+                          kernels=self.bf16_gemm)
+
     def backend_signature(self) -> str:
         return self.kernels.signature()
 

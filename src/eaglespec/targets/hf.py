@@ -87,6 +87,11 @@ class TargetModel:
         """What the costs of this target's steps depend on beyond its weights and shape (a cache key)."""
         return "transformers"
 
+    def sibling(self) -> "TargetModel":
+        """Another target of the same model and settings with its own, empty KV cache (the weights are shared):
+        the slots of a batch (eaglespec.targets.pool)."""
+        return TargetModel(self.model, self.feature_kind)
+
     # ---- shape facts -------------------------------------------------------------------------------
     @property
     def hidden_size(self) -> int:

@@ -1,0 +1,166 @@
+"""Load-aware speculation for a batch: per step, which sequences draft and how many of their draft nodes the
+target verifies, from what the rows cost at the current batch width and what each sequence has been accepting.
+
+A batched verify pass costs T(N) seconds for N rows in all. On a memory-bound model T barely grows for the first
+rows (the weights are read once for all of them) and then grows about linearly once the arithmetic dominates; so
+a draft node that pays at batch 1 may not at batch 16, where the other sequences' rows already use the arithmetic
+the weights' reading leaves spare. `StepCosts` fits T(N) = a + b N online from the batched forwards' times.
+
+A step emits K tokens in T seconds (one per sequence, plus the accepted drafts). Drafting for a sequence adds its
+draft time d and r rows (b r seconds) and is expected to add g accepted tokens; it raises the batch's throughput
+iff g / (d + b r) > K / T. `LoadPolicy.plan` admits the sequences in order of g while that holds. After drafting,
+`LoadPolicy.prune` keeps, of each tree, the nodes worth their row: a node's chance of being accepted is estimated
+from its draft score (EAGLE-2's path probability) scaled by how well the sequence's scores have predicted its
+acceptance so far, and a node is kept while that chance exceeds b K / T. Chains without scores (a draft model,
+prompt lookup) are kept whole. At batch 1 this is the choice `spec.adaptive` makes between drafting and plain
+decoding; plain batched decoding (nobody drafts) is always one of the choices, so the policy only drafts where its
+measurements say it is faster.
+
+A sequence that has not drafted for `probe_every` of its steps drafts once to refresh what it accepts (the text
+changes); its first steps draft unless the costs measured so far already rule it out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from .tree import DraftTree
+
+
+class StepCosts:
+    """T(N) = a + b N, fitted by least squares over the last `memory` batched forwards. Until forwards of at least
+    two widths have been timed, b = `prior_slope` a (on a 2-core CPU a verify row of the 1.5B cost ~0.15 of a
+    one-row step; a prior that errs on the side of plain decoding)."""
+
+    def __init__(self, memory: int = 256, prior_slope: float = 0.15):
+        self.samples: deque[tuple[int, float]] = deque(maxlen=memory)
+        self.prior_slope = prior_slope
+        self.a, self.b = 0.0, 0.0
+
+    @property
+    def known(self) -> bool:
+        return bool(self.samples)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self.samples.append((rows, seconds))
+        n = len(self.samples)
+        mean_rows = sum(r for r, _ in self.samples) / n
+        mean_time = sum(t for _, t in self.samples) / n
+        spread = sum((r - mean_rows) ** 2 for r, _ in self.samples)
+        if spread > 0:
+            b = sum((r - mean_rows) * (t - mean_time) for r, t in self.samples) / spread
+            b = max(b, 0.0)
+            a = max(mean_time - b * mean_rows, 0.0)
+        else:  # one width timed: split its time between the fixed part and its rows with the prior slope
+            a = mean_time / (1.0 + self.prior_slope * mean_rows)
+            b = self.prior_slope * a
+        self.a, self.b = a, b
+
+    def time(self, rows: int) -> float:
+        return self.a + self.b * rows
+
+
+@dataclass
+class Outlook:
+    """What one sequence's drafting has been worth lately (exponential moving averages)."""
+
+    accepted: float  # draft tokens accepted per drafted step
+    predicted: float = 0.0  # what its trees' scores predicted for the verified nodes
+    rows: float = 0.0  # draft rows verified per drafted step
+    since_draft: int = 0  # steps since it last drafted
+    drafted: int = 0  # drafted steps so far
+
+    @property
+    def calibration(self) -> float:
+        """Accepted per predicted acceptance: how far to trust its draft scores (1 until known)."""
+        return min(self.accepted / self.predicted, 2.0) if self.predicted > 0 else 1.0
+
+
+@dataclass
+class Plan:
+    """The policy's choice for one step: which sequences draft, and the throughput it expects."""
+
+    draft: set = field(default_factory=set)
+    tokens: float = 0.0  # expected tokens of the step
+    seconds: float = 0.0  # expected seconds of the step
+
+
+class LoadPolicy:
+    """Chooses, each step, the sequences that draft and the nodes they verify (module docstring). Sequences are
+    keyed by any hashable id; `forget` one that leaves."""
+
+    def __init__(self, tree_rows: int, probe_every: int = 16, smoothing: float = 0.25, prior_accepted: float = 1.0):
+        """`tree_rows`: draft rows of a full tree (the drafter's total_tokens - 1)."""
+        self.tree_rows = max(tree_rows, 1)
+        self.probe_every, self.smoothing = probe_every, smoothing
+        self.costs = StepCosts()
+        self.draft_seconds = 0.0  # per drafting sequence (moving average; 0 until measured)
+        self.prior_accepted = prior_accepted  # what a new sequence is expected to accept (the batch's average)
+        self.outlooks: dict = {}
+
+    def _outlook(self, key) -> Outlook:
+        if key not in self.outlooks:
+            self.outlooks[key] = Outlook(accepted=self.prior_accepted, rows=float(self.tree_rows))
+        return self.outlooks[key]
+
+    def forget(self, key) -> None:
+        self.outlooks.pop(key, None)
+
+    def _blend(self, old: float, new: float) -> float:
+        return old + self.smoothing * (new - old)
+
+    # ---- decisions -----------------------------------------------------------------------------------------
+    def plan(self, keys: list) -> Plan:
+        """Which of the sequences `keys` (all taking part in the next step) draft."""
+        n = len(keys)
+        plan = Plan(tokens=float(n), seconds=self.costs.time(n) if self.costs.known else 0.0)
+        if not self.costs.known:  # nothing timed yet: draft, and learn what it costs
+            plan.draft = set(keys)
+            return plan
+        rows = n
+        for key in sorted(keys, key=lambda k: -self._outlook(k).accepted):
+            o = self._outlook(key)
+            extra_rows = max(round(o.rows), 1)
+            added = self.draft_seconds + self.costs.time(rows + extra_rows) - self.costs.time(rows)
+            pays = o.accepted * plan.seconds > plan.tokens * added  # g / (d + b r) > K / T
+            if pays or o.since_draft >= self.probe_every or o.drafted == 0:
+                plan.draft.add(key)
+                plan.tokens += o.accepted
+                plan.seconds += added
+                rows += extra_rows
+        return plan
+
+    def prune(self, key, tree: DraftTree, plan: Plan) -> DraftTree:
+        """The nodes of `tree` worth verifying in the planned step (all of a tree without scores)."""
+        if tree.scores is None or len(tree) <= 2 or not self.costs.known or plan.seconds <= 0:
+            return tree
+        threshold = self.costs.b * plan.tokens / plan.seconds  # accepted tokens a row must bring
+        trust = self._outlook(key).calibration
+        chances = sorted((trust * math.exp(s) for s in tree.scores.tolist()[1:]), reverse=True)
+        keep = 1 + sum(1 for p in chances if p > threshold)
+        return tree.prune(max(keep, 2))  # a drafting sequence verifies one draft node at least
+
+    # ---- what happened -------------------------------------------------------------------------------------
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A batched forward of `rows` rows took `seconds`."""
+        self.costs.observe(rows, seconds)
+
+    def observe_draft(self, seconds: float) -> None:
+        """One sequence's drafting took `seconds`."""
+        self.draft_seconds = seconds if self.draft_seconds == 0.0 else self._blend(self.draft_seconds, seconds)
+
+    def observe_sequence(self, key, tree: DraftTree, accepted: int) -> None:
+        """The sequence's step verified `tree` (root only when it did not draft) and accepted `accepted` drafts."""
+        o = self._outlook(key)
+        if len(tree) == 1:
+            o.since_draft += 1
+            return
+        predicted = sum(math.exp(s) for s in tree.scores.tolist()[1:]) if tree.scores is not None else 0.0
+        o.accepted = self._blend(o.accepted, accepted) if o.drafted else float(accepted)
+        o.predicted = self._blend(o.predicted, predicted) if o.drafted else predicted
+        o.rows = self._blend(o.rows, len(tree) - 1) if o.drafted else float(len(tree) - 1)
+        o.drafted += 1
+        o.since_draft = 0
+        self.prior_accepted = self._blend(self.prior_accepted, accepted)

@@ -1,0 +1,184 @@
+"""A pool of KV-cache slots over one target model, and the batched forward that verifies many sequences' draft
+trees in one pass over the weights.
+
+Each slot is a sibling target (`TargetModel.sibling`): the same model and weights, its own KV cache, allocated when
+the pool is made (a fast-path slot starts with room for `initial_capacity` rows and doubles only when a sequence
+outgrows it). A sequence takes a slot when it joins the batch and gives it back when it finishes or is cancelled;
+the slot's rows are then free for the next sequence at once (nothing is copied or cleared).
+
+`forward` runs one step of every given slot. Where each row's result does not depend on the other rows of a
+product (the fast path on eaglespec's CPU kernels, whose products, decode-step attention and greedy LM head give a
+row the same bits whatever else is in the call), all slots' rows go through every layer together: the products
+read each weight once for the whole batch, which is what makes batching pay on a memory-bound model, and each
+sequence attends over its own cache. A row then has exactly the bits of the batch-1 step that would compute it, so
+greedy output does not depend on the batch's composition. On a GPU the rows go together too, without that
+guarantee (its libraries choose kernels by the shape of the whole product). Elsewhere (float32 or quantized CPU
+targets, the generic transformers path) each slot runs its own forward: exact, but without shared weight reads.
+Prompt prefills always run alone, as batch-1 decoding runs them.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..errors import EagleSpecError
+from .fast import FastTarget
+from .hf import TargetModel, TargetOutput
+from .layers import decoder_layer, rms_norm, write_and_attend
+
+
+class SlotStep(NamedTuple):
+    """One slot's part of a batched forward: `tokens` [n] at `positions` [n] with `tree_mask` [n, n] (None:
+    causal), on top of the slot's committed rows. (A plain tuple of these four does as well.)"""
+
+    slot: int
+    tokens: Tensor
+    positions: Tensor | None = None
+    tree_mask: Tensor | None = None
+
+
+class TargetPool:
+    """`slots` sibling targets of `target`'s model (see the module docstring)."""
+
+    def __init__(self, target: TargetModel, slots: int):
+        if slots < 1:
+            raise EagleSpecError(f"a batch needs at least one slot, got {slots}")
+        self.target = target
+        self.targets: list[TargetModel] = [target.sibling() for _ in range(slots)]
+        self.free: list[int] = list(range(slots - 1, -1, -1))  # a stack: the lowest slot is taken first
+        lead = self.targets[0]
+        # rows of several slots in one pass: where every row's bits are its own (module docstring)
+        self.together = isinstance(lead, FastTarget) and (lead.tree_kernel or lead.device.type == "cuda")
+        self.forwards = 0  # batched forwards so far
+        self.rows = 0  # rows they verified
+
+    @property
+    def size(self) -> int:
+        return len(self.targets)
+
+    @property
+    def in_use(self) -> int:
+        return self.size - len(self.free)
+
+    def acquire(self) -> int:
+        """A free slot (its cache empty); raise when all are taken."""
+        if not self.free:
+            raise EagleSpecError(f"all {self.size} slots of the batch are in use")
+        slot = self.free.pop()
+        self.targets[slot].reset()
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Give a slot back: its rows are free at once."""
+        if slot in self.free or not 0 <= slot < self.size:
+            raise ValueError(f"slot {slot} is not in use")
+        self.targets[slot].reset()
+        self.free.append(slot)
+
+    def __getitem__(self, slot: int) -> TargetModel:
+        return self.targets[slot]
+
+    @torch.inference_mode()
+    def forward(self, steps: list[SlotStep | tuple], greedy: bool = False) -> list[TargetOutput]:
+        """One decode step of each slot in `steps` (each slot at most once, each with committed rows); returns
+        their outputs in order. Commit each slot's accepted rows (`self[slot].commit(keep)`) before its next
+        forward."""
+        steps = [SlotStep(*s) for s in steps]
+        if len({s.slot for s in steps}) != len(steps):
+            raise ValueError("a slot can take part in a batched forward only once")
+        self.forwards += 1
+        self.rows += sum(s.tokens.numel() for s in steps)
+        if not self.together or len(steps) == 1:
+            return [self.targets[s.slot].forward(s.tokens, s.positions, s.tree_mask, greedy=greedy) for s in steps]
+        return _forward_together([self.targets[s.slot] for s in steps], steps, greedy)
+
+
+def _forward_together(targets: list[FastTarget], steps: list[SlotStep], greedy: bool) -> list[TargetOutput]:
+    """FastTarget.forward's decode step for several slots at once: the rows of all of them through each layer's
+    products together, each slot's rows attending over its own cache (as its batch-1 step would)."""
+    lead = targets[0]
+    tokens, cos, sin, attends, sizes = [], [], [], [], []
+    for t, s in zip(targets, steps):
+        if t._pending:
+            raise RuntimeError("commit() the previous forward of every slot before running another one")
+        c, n = t.cache_len, s.tokens.numel()
+        if c == 0:
+            raise ValueError("a batched forward continues sequences; prefill a new one alone (its slot's forward)")
+        positions = (torch.arange(c, c + n) if s.positions is None else s.positions).to(t.device)
+        top = int(positions.max())
+        if top >= t.max_context:
+            raise EagleSpecError(f"sequence reaches position {top}, beyond the model's context of {t.max_context}")
+        if c + n > t.capacity or top >= t.capacity:
+            t._grow(max(min(t.max_context, 2 * t.capacity), c + n, top + 1))
+        step_rows = None
+        if n > 1:
+            step_rows = (torch.ones(n, n, dtype=torch.bool).tril_() if s.tree_mask is None else s.tree_mask)
+            step_rows = step_rows.to(t.device).contiguous()  # [n, n]: the step rows each row sees
+        if t.tree_kernel:  # eaglespec's decode-step attention, as FastTarget.forward runs every decode step
+            attends.append(partial(_attend_kernel, t, c=c, step_mask=step_rows))
+        else:  # one attention call over the slot's cache (GPU)
+            mask = None
+            if step_rows is not None:
+                mask = torch.ones(n, c + n, dtype=torch.bool, device=t.device)
+                mask[:, c:] = step_rows
+                mask = mask[None, None]
+            attends.append(partial(_attend_torch, t, c=c, mask=mask))
+        tokens.append(s.tokens.to(t.device))
+        cos.append(t.cos[positions])
+        sin.append(t.sin[positions])
+        sizes.append(n)
+    x = lead.embed_tokens(torch.cat(tokens))  # [N, d], N = all slots' rows
+    cos_all, sin_all = torch.cat(cos)[None], torch.cat(sin)[None]  # [1, N, hd]
+    heads = (lead.n_heads, lead.n_kv, lead.head_dim)
+    feature_layers = lead.eagle3_layers() if lead.feature_kind == "eagle3" else ()
+    saved = []
+    for i, layer in enumerate(lead.layers):
+        if i in feature_layers:
+            saved.append(x)
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, layer_index: int = i) -> Tensor:
+            # q [H, N, hd], k, v [Hkv, N, hd] -> [H, N, hd]: each slot's rows over its own cache
+            out, start = [], 0
+            for run, n in zip(attends, sizes):
+                rows = slice(start, start + n)
+                out.append(run(layer_index, q[:, rows], k[:, rows], v[:, rows]))
+                start += n
+            return torch.cat(out, dim=1)
+
+        x = decoder_layer(layer, x, cos_all, sin_all, heads, lead.eps, lead.attention_dtype, attend)
+    last = rms_norm(x, lead.final_norm, lead.eps)  # [N, d]
+    best = lead.greedy_head(last) if greedy and lead.greedy_head is not None else None  # [N] or None
+    logits = lead.logits_head(last) if best is None else None  # [N, vocab]
+    if lead.feature_kind == "final":
+        features = last
+    elif lead.feature_kind == "eagle3":
+        by_layer = dict(zip(sorted(set(feature_layers)), saved))
+        features = torch.cat([by_layer[i] for i in lead.eagle3_layers()], dim=-1)  # [N, 3d]
+    else:
+        features = None
+    outputs, start = [], 0
+    for t, n in zip(targets, sizes):
+        rows = slice(start, start + n)
+        t._pending = n
+        outputs.append(TargetOutput(logits=None if logits is None else logits[rows],
+                                    features=None if features is None else features[rows],
+                                    greedy_tokens=None if best is None else best[rows],
+                                    argmax_rows=t.kernels.argmax_rows))
+        start += n
+    return outputs
+
+
+def _attend_kernel(t: FastTarget, layer: int, q: Tensor, k: Tensor, v: Tensor, c: int,
+                   step_mask: Tensor | None) -> Tensor:
+    return t.kernels.attend_tree(q.contiguous(), k.contiguous(), v.contiguous(), keys=t.layer_keys[layer],
+                                 values=t.layer_values[layer], c=c, step_mask=step_mask)
+
+
+def _attend_torch(t: FastTarget, layer: int, q: Tensor, k: Tensor, v: Tensor, c: int,
+                  mask: Tensor | None) -> Tensor:
+    return write_and_attend(q, k, v, keys=t.layer_keys[layer], values=t.layer_values[layer], c=c, mask=mask,
+                            keys_transposed=t.keys_transposed)
