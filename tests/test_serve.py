@@ -11,6 +11,7 @@ slow enough to cancel or time out). A few tests run the real SmolLM2-135M.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ from eaglespec.cli import build_parser
 from eaglespec.heads import HeadConfig, build_head
 from eaglespec.models import load_target, shipped_head_dir
 from eaglespec.serve import ServerConfig, create_app
+from eaglespec.serve.batch_worker import BatchWorker
 from eaglespec.targets.hf import TargetModel
 
 MODEL = "tiny-test"
@@ -94,7 +96,8 @@ class LiveServer:
 
     def __init__(self, engine: Engine, **config):
         self.engine = engine
-        self.app = create_app(engine, ServerConfig(model_name=MODEL, api_key=KEY, **config))
+        self.config = ServerConfig(model_name=MODEL, api_key=KEY, **config)
+        self.app = create_app(engine, self.config)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -148,17 +151,20 @@ def delta(after: dict, before: dict, name: str, **labels) -> float:
     return metric(after, name, **labels) - metric(before, name, **labels)
 
 
-@pytest.fixture(scope="module")
-def live(tokenizer):
-    server = LiveServer(tiny_engine(tokenizer))
+# Every test on `live` and `slow` runs against both workers: one request at a time, and the batch decoder
+# (continuous batching). The batched one drafts for every sequence at every step ("always"), as the one-at-a-time
+# engine with its fixed tree does, so seeded sampling draws the same random numbers in both.
+@pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "batched"])
+def live(tokenizer, request):
+    server = LiveServer(tiny_engine(tokenizer), max_batch=request.param, speculate="always")
     yield server
     server.close()
 
 
-@pytest.fixture(scope="module")
-def slow(tokenizer):
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-at-a-time", "batched"])
+def slow(tokenizer, request):
     """A random-head engine (tau ~ 1, about one token per step) and a queue of one."""
-    server = LiveServer(tiny_engine(tokenizer, seed=1, agreeable=False), max_queue=1)
+    server = LiveServer(tiny_engine(tokenizer, seed=1, agreeable=False), max_queue=1, max_batch=request.param)
     yield server
     server.close()
 
@@ -415,10 +421,18 @@ def _first_text(response: httpx.Response):
     raise AssertionError("the stream ended without text")
 
 
-def _assert_freed(engine: Engine) -> None:
-    """The target's KV cache and the head's cache hold no sequence (reset right after the job ended)."""
-    assert engine.target.cache_len == 0
-    assert len(engine.drafter.cache) == 0
+def _assert_freed(server: LiveServer) -> None:
+    """The target's KV caches and the head's caches hold no sequence (reset right after the job ended); with the
+    batch decoder, every slot is free."""
+    worker = server.app.state.server.worker
+    if isinstance(worker, BatchWorker):
+        batch = worker.batch
+        assert batch.pool.in_use == 0 and not batch.busy and not worker.jobs
+        assert all(target.cache_len == 0 for target in batch.pool.targets)
+        assert all(len(drafter.inner.cache) == 0 for drafter in batch.drafters)
+        return
+    assert server.engine.target.cache_len == 0
+    assert len(server.engine.drafter.cache) == 0
 
 
 def test_client_disconnect_cancels_generation(slow):
@@ -433,33 +447,35 @@ def test_client_disconnect_cancels_generation(slow):
     assert delta(after, before, "eaglespec:request_cancelled_total") == 1
     assert delta(after, before, "eaglespec:request_success_total") == 0
     assert 1 <= delta(after, before, "eaglespec:generation_tokens_total") < 240
-    _assert_freed(slow.engine)
+    _assert_freed(slow)
     # A non-streaming client that gives up is noticed too.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(slow.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5,
                    json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 240})
     slow.wait_idle()
     assert delta(slow.metrics(), before, "eaglespec:request_cancelled_total") == 2
-    _assert_freed(slow.engine)
+    _assert_freed(slow)
     r = slow.client().completions.create(model=MODEL, prompt="Hello", max_tokens=3)
     assert r.usage.completion_tokens == 3
 
 
 def test_full_queue_answers_503(slow):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
-    with httpx.Client(timeout=60) as http:
-        with _stream(slow, http, max_tokens=240) as running:
-            lines = _first_text(running)  # this one is being generated
-            with _stream(slow, http, max_tokens=240) as waiting:  # this one fills the queue (size 1)
-                assert waiting.status_code == 200
-                health = slow.get("/health", key=None).json()
-                assert (health["running"], health["waiting"]) == (1, 1)
-                r = slow.post("/v1/completions", body)
-                assert r.status_code == 503 and r.headers["retry-after"] == "1"
-                assert r.json()["error"]["code"] == "queue_full"
-                assert next(lines).startswith("data: ") or next(lines).startswith("data: ")  # A still streams
+    batch = slow.config.max_batch
+    with httpx.Client(timeout=60) as http, contextlib.ExitStack() as streams:
+        running = [streams.enter_context(_stream(slow, http, max_tokens=240)) for _ in range(batch)]
+        lines = [_first_text(r) for r in running]  # these are being generated, one per slot
+        with _stream(slow, http, max_tokens=240) as waiting:  # this one fills the queue (size 1)
+            assert waiting.status_code == 200
+            health = slow.get("/health", key=None).json()
+            assert (health["running"], health["waiting"]) == (batch, 1)
+            r = slow.post("/v1/completions", body)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "queue_full"
+            for line in lines:  # the running ones still stream
+                assert next(line).startswith("data: ") or next(line).startswith("data: ")
     slow.wait_idle()
-    _assert_freed(slow.engine)
+    _assert_freed(slow)
     assert slow.post("/v1/completions", body).status_code == 200
 
 
@@ -473,7 +489,7 @@ def test_request_timeout(tokenizer):
                                                         stream=True):
                 pass
         server.wait_idle()
-        _assert_freed(server.engine)
+        _assert_freed(server)
         after = server.metrics()
         assert metric(after, "eaglespec:request_errors_total", code="504") == 2
         assert server.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code == 200
@@ -516,7 +532,7 @@ def test_concurrent_streams_with_early_disconnects(live):
     for prompt, text in results.items():
         assert text == expected[prompt]
     live.wait_idle()
-    _assert_freed(live.engine)
+    _assert_freed(live)
     assert live.get("/health", key=None).json()["status"] == "ok"
 
 
@@ -525,6 +541,46 @@ def test_serve_defaults_bind_loopback():
     args = build_parser().parse_args(["serve"])
     assert (args.host, args.port, args.api_key, args.model, args.method) == ("127.0.0.1", 8000, None,
                                                                               "smollm2-135m", "eagle2")
+    assert (args.max_batch, args.speculate) == (None, "auto")  # None: the machine's default (default_max_batch)
+    args = build_parser().parse_args(["serve", "--max-batch", "3", "--speculate", "never"])
+    assert (args.max_batch, args.speculate) == (3, "never")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-batch", "0"])
+
+
+def test_batched_requests_share_steps(tokenizer):
+    """Concurrent requests on the batch decoder (load-aware drafting): each answer is the library's, the steps are
+    shared (fewer batched steps than the requests' verify forwards), and the batch metrics add up."""
+    server = LiveServer(tiny_engine(tokenizer), max_batch=4, speculate="auto")
+    try:
+        prompts = [f"Tale {i}:" for i in range(6)]
+        expected = {p: server.engine.generate(p, max_new_tokens=32, chat=False) for p in prompts}
+        before = server.metrics()
+        answers: dict[str, str] = {}
+
+        def run(prompt: str) -> None:
+            r = server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=32)
+            answers[prompt] = r.choices[0].text
+
+        threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert answers == {p: ref.text for p, ref in expected.items()}
+        server.wait_idle()
+        _assert_freed(server)
+        after = server.metrics()
+        steps = delta(after, before, "eaglespec:batch_steps_total")
+        forwards = delta(after, before, "eaglespec:spec_decode_num_target_forwards_total")
+        sequences = (delta(after, before, "eaglespec:batch_sequences_drafted_total")
+                     + delta(after, before, "eaglespec:batch_sequences_plain_total"))
+        assert 0 < steps < forwards  # sequences verified together
+        assert sequences == forwards  # every verify forward of a request is one sequence of a batched step
+        assert delta(after, before, "eaglespec:batch_rows_total") >= forwards
+        assert server.get("/health", key=None).json()["max_batch"] == 4
+    finally:
+        server.close()
 
 
 # ---- the real SmolLM2-135M -----------------------------------------------------------------------------------
@@ -572,6 +628,7 @@ def test_cli_serve_default_model_with_env_api_key():
                 time.sleep(0.5)
         expected_method = "eagle2" if shipped_head_dir("smollm2-135m") else "vanilla"
         assert health.json()["method"] == expected_method and health.json()["model"] == "smollm2-135m"
+        assert health.json()["max_batch"] == 8  # the CPU default: continuous batching
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
         c = openai.OpenAI(base_url=url + "/v1", api_key="env-secret", max_retries=0, timeout=60)
         assert [m.id for m in c.models.list().data] == ["smollm2-135m"]

@@ -35,6 +35,12 @@ MODES = {"eagle2": "dynamic", "eagle1": "static", "chain": "chain"}
 DEFAULT_MAX_BATCH = 8  # sequences decoded together (Engine.batch_decoder, eaglespec serve --max-batch)
 
 
+def default_max_batch(device: torch.device) -> int:
+    """Sequences `eaglespec serve` decodes together by default: 8 on a CPU (a step's products then still cost about
+    what one row's do on a memory-bound model), 64 on a GPU."""
+    return 64 if torch.device(device).type == "cuda" else DEFAULT_MAX_BATCH
+
+
 @dataclass
 class GenerationResult:
     text: str

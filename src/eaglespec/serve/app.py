@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import EagleSpecError
 from ..spec.decode import Step
 from ..spec.verify import SamplingParams
+from .batch_worker import BatchWorker
 from .metrics import ServerMetrics
 from .schemas import (
     APIError,
@@ -53,6 +54,8 @@ class ServerConfig:
     max_tokens_limit: int = 2048  # largest max_tokens accepted (and the chat default cap)
     completion_default_max_tokens: int = 16  # OpenAI's default for /v1/completions
     max_body_bytes: int = 4 << 20
+    max_batch: int = 1  # requests decoded together (batch_worker.py); 1: one at a time (worker.py)
+    speculate: str = "auto"  # with max_batch > 1: "auto" (load-aware), "always" or "never"
 
 
 class Server:
@@ -62,7 +65,11 @@ class Server:
         self.engine = engine
         self.config = config
         self.metrics = ServerMetrics(config.model_name)
-        self.worker = GenerationWorker(engine, self.metrics, max_queue=config.max_queue, timeout=config.timeout)
+        if config.max_batch > 1:
+            self.worker = BatchWorker(engine, self.metrics, max_queue=config.max_queue, timeout=config.timeout,
+                                      max_batch=config.max_batch, speculate=config.speculate)
+        else:
+            self.worker = GenerationWorker(engine, self.metrics, max_queue=config.max_queue, timeout=config.timeout)
         self.created = int(time.time())
 
     # ---- authentication ------------------------------------------------------------------------------------
@@ -340,6 +347,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         ok = server.worker.alive
         return JSONResponse({"status": "ok" if ok else "unavailable", "model": config.model_name,
                              "method": engine.method, "running": server.worker.running,
+                             "max_batch": config.max_batch,
                              "waiting": server.worker.waiting}, status_code=200 if ok else 503)
 
     @app.get("/v1/models", dependencies=auth)

@@ -52,6 +52,14 @@ def register(subparsers, model_options: Callable, sampling_options: Callable) ->
     g.add_argument("--max-tokens-limit", type=positive_int, default=2048,
                    help="largest max_tokens a request may ask for; also caps chat requests without one "
                         "(default: 2048)")
+    g.add_argument("--max-batch", type=positive_int, default=None,
+                   help="requests decoded together in one batch (continuous batching: a finished request's slot "
+                        "goes to the next waiting one); 1 decodes one request at a time (default: 8 on a CPU, "
+                        "64 on a GPU)")
+    g.add_argument("--speculate", choices=["auto", "always", "never"], default="auto",
+                   help="with --max-batch above 1: which sequences draft each step; auto drafts where the measured "
+                        "cost of rows at the current batch width and each sequence's acceptance say it pays "
+                        "(default: auto)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -69,6 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import prometheus_client
     import uvicorn
 
+    from ..api import default_max_batch
     from ..cli import build_engine
     from .app import ServerConfig, create_app
 
@@ -77,11 +86,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} without an API key: anyone who can reach this port can use it "
               f"(set --api-key or {API_KEY_ENV})", file=sys.stderr)
     engine = build_engine(args)
+    max_batch = args.max_batch or default_max_batch(engine.target.device)
     config = ServerConfig(model_name=args.served_model_name or args.model, api_key=api_key,
-                          max_queue=args.max_queue, timeout=args.timeout, max_tokens_limit=args.max_tokens_limit)
+                          max_queue=args.max_queue, timeout=args.timeout, max_tokens_limit=args.max_tokens_limit,
+                          max_batch=max_batch, speculate=args.speculate)
     prometheus_client.disable_created_metrics()  # no `*_created` series (as vLLM): this process is the server
     app = create_app(engine, config)
-    print(f"eaglespec: serving '{config.model_name}' (method {engine.method}) on http://{args.host}:{args.port}/v1"
+    print(f"eaglespec: serving '{config.model_name}' (method {engine.method}, batches of up to {max_batch}) on "
+          f"http://{args.host}:{args.port}/v1"
           f"{' with an API key' if api_key else ''}", file=sys.stderr)
     # On shutdown, streams still open after a few seconds are cancelled, which stops their generations.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

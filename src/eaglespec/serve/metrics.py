@@ -11,6 +11,14 @@ they did):
 Per tree depth, counted from the statistics of completed requests:
   eaglespec:spec_decode_num_drafts_per_pos_total{position}  verify forwards whose tree reached depth position+1
 The acceptance rate at a depth is accepted_tokens_per_pos / drafts_per_pos.
+
+Batched decoding (`--max-batch` above 1), per batched step:
+  eaglespec:batch_size                            sequences in the last step's verify forward
+  eaglespec:batch_steps_total                     batched steps
+  eaglespec:batch_tokens_per_step                 tokens a step emitted, all its sequences together (histogram)
+  eaglespec:batch_sequences_drafted_total         sequences that verified a draft tree in a step
+  eaglespec:batch_sequences_plain_total           sequences that decoded one token without a draft in a step
+  eaglespec:batch_rows_total                      rows the target verified in batched steps
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from ..spec.decode import GenerationStats, Step
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 SPEED_BUCKETS = (1, 2, 5, 10, 15, 20, 30, 40, 60, 80, 120, 160, 250, 500, 1000)
+STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 
 
 class ServerMetrics:
@@ -82,6 +91,14 @@ class ServerMetrics:
                               TOKEN_TIME_BUCKETS)
         self.request_speed = histogram("request_generation_tokens_per_second", "Decoding speed per request",
                                        SPEED_BUCKETS)
+        # Batched decoding.
+        self.batch_size = Gauge(p + "batch_size", "Sequences in the last batched verify forward", labels, registry=r)
+        self.batch_steps = counter("batch_steps", "Batched decoding steps")
+        self.batch_tokens = histogram("batch_tokens_per_step", "Tokens a batched step emitted, all sequences "
+                                      "together", STEP_TOKEN_BUCKETS)
+        self.batch_drafted = counter("batch_sequences_drafted", "Sequences that verified a draft tree in a step")
+        self.batch_plain = counter("batch_sequences_plain", "Sequences that decoded without a draft in a step")
+        self.batch_rows = counter("batch_rows", "Rows the target verified in batched steps")
         self._lock = threading.Lock()
         self._emitted = 0  # tokens emitted by verify forwards, for tau
         self._forwards = 0
@@ -122,6 +139,15 @@ class ServerMetrics:
             self._forwards += 1
             self._emitted += step.accepted + 1
             self._m(self.mean_accepted_length).set(self._emitted / self._forwards)
+
+    def batch_step(self, report) -> None:
+        """One step of the batch decoder (`spec.batch.StepReport`)."""
+        self._m(self.batch_steps).inc()
+        self._m(self.batch_size).set(report.sequences)
+        self._m(self.batch_tokens).observe(report.tokens)
+        self._m(self.batch_drafted).inc(report.drafted)
+        self._m(self.batch_plain).inc(report.sequences - report.drafted)
+        self._m(self.batch_rows).inc(report.rows)
 
     def started(self, queue_time: float, prompt_tokens: int) -> None:
         self._m(self.queue_time).observe(queue_time)
