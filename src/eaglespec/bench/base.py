@@ -35,6 +35,7 @@ class RunOutput:
     prefill_time: float | None = None
     draft_time: float | None = None
     verify_time: float | None = None
+    peak_rss_mb: float | None = None  # a method run in another process: that process's peak (else the bench's)
 
 
 @dataclass

@@ -25,8 +25,10 @@ def register(subparsers, model_options, sampling_options) -> None:
     g.add_argument("--dataset", default="mt-bench",
                    help="mt-bench, humaneval, or a .jsonl file with question_id, category, turns (default mt-bench)")
     g.add_argument("--methods", default=None,
-                   help="comma-separated: vanilla, eagle2, eagle1, chain, eagle3, pld, sps, staged, hf, hf-pld, hf-assisted, "
-                        "llamacpp; 'all' (default) = every one that can run here. vanilla is always included. "
+                   help="comma-separated: vanilla, eagle2, eagle1, chain, eagle3, pld, sps, staged, hf, hf-pld, "
+                        "hf-assisted, llamacpp, vllm, vllm-ngram, vllm-draft, vllm-eagle3, openvino, openvino-draft "
+                        "(the vllm and openvino peers run from their own virtualenv: --peer-python); 'all' (default) = "
+                        "every one that can run here. vanilla is always included. "
                         "oracle (not in 'all', greedy only): drafts plain decoding's own answer, the tree's DEPTH "
                         "tokens a step, every one accepted at no draft cost: the ceiling of speculation here")
     g.add_argument("--limit", type=int, default=None, help="first N questions (after --categories and --per-category)")
@@ -49,6 +51,18 @@ def register(subparsers, model_options, sampling_options) -> None:
                         "target settings instead of running vanilla again (equality is still checked; speedups then "
                         "compare runs made at different times)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    peers = p.add_argument_group("peers in their own virtualenv (vllm*, openvino*)")
+    peers.add_argument("--peer-python", default=None, metavar="ENGINE=PYTHON[,...]",
+                       help="the python of each peer's virtualenv, e.g. vllm=VENV/bin/python,openvino=VENV2/bin/python "
+                            "(default: $EAGLESPEC_VLLM_PYTHON, $EAGLESPEC_OPENVINO_PYTHON)")
+    peers.add_argument("--peer-draft-tokens", type=int, default=None, metavar="K",
+                       help="tokens the speculative peers draft a step (vLLM num_speculative_tokens, OpenVINO "
+                            "num_assistant_tokens; default 5, our default tree's depth)")
+    peers.add_argument("--openvino-weights", default="int8", choices=["int4", "int8", "fp16", "fp32"],
+                       help="weights of the OpenVINO export (optimum-cli --weight-format; cached; default int8)")
+    peers.add_argument("--openvino-precision", default="f32", choices=["f32", "bf16", "f16", "default"],
+                       help="OpenVINO's inference precision (default f32: with it, its speculative output equals its "
+                            "plain output; 'default' = the plugin's own choice)")
     model_options(p)
     sampling_options(p)
     # bench takes a list (--methods); a lone --method X is read as --methods X. 128 new tokens by default.
@@ -83,6 +97,11 @@ def _check(args: argparse.Namespace) -> None:
         raise EagleSpecError("bench does not take --stop: every method stops at end-of-sequence or the length limit")
     if args.method and args.methods:
         raise EagleSpecError("give either --methods or --method, not both")
+    if args.peer_draft_tokens is not None and args.peer_draft_tokens < 1:
+        raise EagleSpecError("--peer-draft-tokens must be at least 1")
+    from .peers import parse_peer_python
+
+    parse_peer_python(args.peer_python)
     from .methods import parse_methods
 
     names = parse_methods(args.methods or args.method or DEFAULT_METHODS)
@@ -131,6 +150,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         parse_sweep,
         unavailable_reason,
     )
+    from .peers import PeerOptions, parse_peer_python
     from .report import write_report
     from .runner import RESULTS, BenchConfig, run_benchmark
 
@@ -156,7 +176,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         threads=torch.get_num_threads(), eos_ids=eos_ids_of(model, tokenizer),
                         backend=getattr(args, "backend", "auto"), draft_vocab=args.draft_vocab,
                         quantize=None if args.quantize == "none" else args.quantize, exact=args.exact,
-                        compile=args.compile, adapt=args.adapt, ngram=getattr(args, "ngram", None))
+                        compile=args.compile, adapt=args.adapt, ngram=getattr(args, "ngram", None),
+                        draft_model_name=args.draft_model, progress=not args.no_progress,
+                        peer=PeerOptions(python=parse_peer_python(args.peer_python),
+                                         draft_tokens=args.peer_draft_tokens, openvino_weights=args.openvino_weights,
+                                         openvino_precision=args.openvino_precision))
     if requested.strip() == "all":
         skipped = [(n, unavailable_reason(n, ctx)) for n in names]
         for n, reason in skipped:

@@ -5,6 +5,9 @@
   plain decoding's own answer, the ceiling of speculation here; only when asked for, not in 'all').
 - Peers (`kind="peer"`): transformers `generate` (hf: plain greedy/sampling; hf-pld: prompt lookup; hf-assisted:
   a draft model) on the same model object, and llama.cpp (`llamacpp`) on the GGUF file of the same model.
+- Peers in their own virtualenv and process (eaglespec.bench.peers): vLLM's CPU build (vllm, vllm-ngram, vllm-draft,
+  vllm-eagle3) on the model's transformers folder in bfloat16, and OpenVINO GenAI (openvino, openvino-draft) on the
+  model exported to OpenVINO.
 
 Every method gets the same prompt token ids and returns the new token ids cut after the first end-of-sequence
 token (which is counted), so token counts mean the same thing everywhere. Wall time is measured here, around the
@@ -26,9 +29,10 @@ from ..errors import EagleSpecError, MissingPackageError
 from ..spec.adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
 from .base import BenchMethod, LoopMethod, RunOutput, Sampling, cut_after_eos
 from .oracle import OracleMethod
+from .peers import PEER_PROCESS_METHODS, PeerOptions, build_peer_method, peer_unavailable
 
 LOOP_METHODS = ("vanilla", "eagle2", "eagle1", "chain", "eagle3", "pld", "sps", "staged")
-PEER_METHODS = ("hf", "hf-pld", "hf-assisted", "llamacpp")
+PEER_METHODS = ("hf", "hf-pld", "hf-assisted", "llamacpp") + PEER_PROCESS_METHODS
 ALL_METHODS = LOOP_METHODS + PEER_METHODS  # what 'all' runs
 CEILING_METHODS = ("oracle",)  # measurements, not methods: run only when named
 KNOWN_METHODS = ALL_METHODS + CEILING_METHODS
@@ -143,6 +147,9 @@ class MethodContext:
     exact: bool | None = None  # verify rows bit-identical to one-token steps (None: on a CPU; fastpath.make_target)
     compile: bool = False  # our loop's target decode steps through torch.compile (eaglespec.backends.cpu.compiled)
     adapt: bool = False  # with tree auto: also time each tree-auto method adaptively ("<method>+adapt")
+    draft_model_name: str | None = None  # registry name or path of draft_model (the peers load it themselves)
+    peer: PeerOptions = field(default_factory=PeerOptions)  # the out-of-process peers (vllm*, openvino*)
+    progress: bool = True  # progress bars while peers export and load
 
 
 def parse_methods(text: str) -> list[str]:
@@ -170,6 +177,8 @@ def unavailable_reason(method: str, ctx: MethodContext) -> str | None:
         return "no EAGLE-3 head (pass --head3 DIR)"
     if method in ("sps", "staged", "hf-assisted") and ctx.draft_model is None:
         return "no draft model (pass --draft-model)"
+    if method in PEER_PROCESS_METHODS:
+        return peer_unavailable(method, ctx)
     if method == "llamacpp":
         if importlib.util.find_spec("llama_cpp") is None:
             return f"llama-cpp-python is not installed ({LLAMA_CPP_PIP})"
@@ -256,6 +265,8 @@ def build_methods(names: list[str], ctx: MethodContext,
         if name in PEER_METHODS:
             if name == "llamacpp":
                 methods.append(LlamaCppMethod(_gguf_of(ctx.model_name), ctx.threads, ctx.eos_ids))
+            elif name in PEER_PROCESS_METHODS:
+                methods.append(build_peer_method(name, ctx, progress=ctx.progress))
             else:
                 peer_models = peer_models or (peer_model(ctx.model), peer_model(ctx.draft_model))
                 methods.append(HFMethod(name, peer_models[0], ctx.eos_ids, peer_models[1]))

@@ -57,7 +57,7 @@ def _timed(method: BenchMethod, ids: list[int], config: BenchConfig, seed: int |
     sampling = Sampling(config.sampling.temperature, config.sampling.top_p, config.sampling.top_k, seed)
     memory.start()
     out = method.generate(ids, config.max_new_tokens, sampling)
-    return out, memory.peak_mb()
+    return out, out.peak_rss_mb if out.peak_rss_mb is not None else memory.peak_mb()
 
 
 # Run settings that must be the same for a reused vanilla baseline (`--reference`) to describe the same prompts.
@@ -122,7 +122,9 @@ def run_benchmark(methods: list[BenchMethod], questions: list[Question], encode:
         "settings": config.settings,
         "methods": [{"name": m.name, "method": m.method, "kind": m.kind, "settings": m.settings} for m in methods],
         "memory": {"rss_hwm": "peak resident set (VmHWM) of the process, reset before each run",
-                   "ru_maxrss": "process-wide peak resident set since start (getrusage ru_maxrss)"}[memory.method],
+                   "ru_maxrss": "process-wide peak resident set since start (getrusage ru_maxrss)"}[memory.method]
+                  + ("; peers run in their own processes: theirs (VmHWM of the peer's processes, reset before each run)"
+                     if any(getattr(m, "process", None) is not None for m in methods) else ""),
         "token_counting": "new tokens up to and including the first end-of-sequence token",
         "machine": describe_machine(),
         "reference": None if reference is None else str(reference),

@@ -260,9 +260,10 @@ def register_export(subparsers) -> None:
     e = subparsers.add_parser("export", help="convert a head between our layout and the official EAGLE / EAGLE-3 one")
     e.add_argument("src", help="head folder (ours or an official EAGLE / EAGLE-3 checkpoint)")
     e.add_argument("dst", help="output folder")
-    e.add_argument("--to", choices=["official", "eaglespec"], default="official",
-                   help="official = config + weights as the EAGLE repos publish them (vLLM / SGLang load it); "
-                        "eaglespec = our layout (import)")
+    e.add_argument("--to", choices=["official", "eaglespec", "vllm"], default="official",
+                   help="official = config + weights as the EAGLE repos publish them (SGLang loads it); "
+                        "eaglespec = our layout (import); vllm = an EAGLE-3 head as vLLM's speculative_config "
+                        "method eagle3 loads it (official + eagle_config: the target layers it reads)")
     e.add_argument("--weights", choices=["safetensors", "bin"], default="safetensors")
     e.add_argument("--model", default=None,
                    help="import: the target the head belongs to (recorded so mismatches are refused later)")

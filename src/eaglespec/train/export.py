@@ -3,6 +3,11 @@
 Both use the same weight names (`fc.*`, `layers.0.*` or `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`). They differ
 in the files: ours is config.json (with an `eaglespec` block naming the target) + model.safetensors; the official
 checkpoints ship a plain decoder config.json and usually pytorch_model.bin. Import reads either (via `load_head`).
+
+`--to vllm` writes an EAGLE-3 head as vLLM's `speculative_config={"method": "eagle3", "model": DIR}` reads it: the
+official config plus `eagle_config` (which target hidden states feed the head: index k = transformers'
+`hidden_states[k]`, the input of layer k); the weights as in the official layout (vLLM maps with `d2t` and skips
+`t2d`, which is kept so that the folder imports back).
 """
 
 from __future__ import annotations
@@ -50,9 +55,31 @@ def attach_target(head: DraftHead, model: str) -> None:
     head.config.target = HeadConfig.for_target(target, head.config.kind, name=model).target
 
 
+LAYOUTS = ("official", "eaglespec", "vllm")
+
+
+def eagle3_feature_layers(num_layers: int) -> list[int]:
+    """The target hidden states an EAGLE-3 head reads (indices into transformers' `hidden_states`): low, middle,
+    high, as eaglespec.targets.hf.TargetModel.eagle3_layers picks them."""
+    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+
+
+def vllm_config(head: DraftHead, dtype: torch.dtype) -> dict:
+    """vLLM's config.json for an EAGLE-3 head (LlamaForCausalLMEagle3 with `eagle_config`)."""
+    layers = head.config.target.get("num_hidden_layers")
+    if not layers:
+        raise EagleSpecError("export --to vllm: the head does not record its target's layer count; import it with "
+                             "--to eaglespec --model NAME first")
+    config = official_config(head, dtype)
+    config["bias"] = False  # the EAGLE-3 fc has none
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": eagle3_feature_layers(int(layers)),
+                              "use_aux_hidden_state": True}
+    return config
+
+
 def export_head(src: str | Path, dst: str | Path, layout: str = "official", weights: str = "safetensors",
                 model: str | None = None, dtype: str | None = None) -> Path:
-    """Convert the head in `src` to `layout` ("official" or "eaglespec") in `dst`; returns `dst`."""
+    """Convert the head in `src` to `layout` ("official", "eaglespec" or "vllm") in `dst`; returns `dst`."""
     src, dst = Path(src), Path(dst)
     if src.resolve() == dst.resolve():
         raise EagleSpecError("export: source and destination are the same folder")
@@ -72,8 +99,18 @@ def export_head(src: str | Path, dst: str | Path, layout: str = "official", weig
         save_head(head, dst, dtype=out_dtype)
         _copy_ranking(src, dst)
         return dst
-    if layout != "official":
-        raise EagleSpecError(f"unknown layout '{layout}' (use official or eaglespec)")
+    if layout not in LAYOUTS:
+        raise EagleSpecError(f"unknown layout '{layout}' (use {', '.join(LAYOUTS)})")
+    if layout == "vllm":
+        if head.config.kind != "eagle3":
+            raise EagleSpecError("export --to vllm takes an EAGLE-3 head (this one is EAGLE-1)")
+        if weights != "safetensors":
+            raise EagleSpecError("export --to vllm writes safetensors: drop --weights bin")
+        config = vllm_config(head, out_dtype)
+        dst.mkdir(parents=True, exist_ok=True)
+        save_file(_state(head, out_dtype), str(dst / "model.safetensors"), metadata={"format": "pt"})
+        (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return dst
     dst.mkdir(parents=True, exist_ok=True)
     state = _state(head, out_dtype)
     if weights == "bin":
