@@ -1,0 +1,184 @@
+"""Throughput of `eaglespec serve` by concurrency: plain batched decoding against batched speculation, one run.
+
+    python benchmarks/concurrency.py --model smollm2-135m --concurrency 1,2,4,8,16 --max-tokens 128
+
+For each server configuration (default: `plain` = `--method vanilla`, `spec` = the model's default method with its
+shipped head; each `--max-batch` as given) this starts `eaglespec serve`, sends one warm-up request (not timed), then
+for each concurrency c runs c closed-loop streaming clients over the same prompts (MT-bench first turns, greedy,
+chat template), and reports aggregate tokens/s (all tokens / wall time), p50 / p95 request latency and time to first
+token, and tau (from the server's counters). Every answer is compared with the answer of one request at a time on
+the plain server (concurrency 1), which is plain decoding: they must be equal token for token.
+The checks printed at the end are the ones batched serving promises: at 8 concurrent streams at least 4x the
+single-stream plain throughput; speculation never below plain batched decoding at any concurrency (within
+--tolerance); every greedy answer equal to its single-request answer. --json writes everything.
+Time it alone on the machine: anything else running makes the figures worthless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from load_test import MAX_TOKENS, Outcome, one_client, percentile, scrape
+
+from eaglespec.bench.datasets import load_questions, select
+from eaglespec.bench.machine import describe_machine
+
+
+def start(model: str, extra: list[str], threads: int | None, api_key: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "eaglespec.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--model", model,
+           "--max-queue", "256", "--timeout", "1800", "--log-level", "warning", *extra]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, EAGLESPEC_API_KEY=api_key), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server ({' '.join(extra)}) exited during start-up:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.terminate()
+            raise SystemExit("the server did not come up within 600 s")
+        time.sleep(0.5)
+
+
+async def closed_loop(url: str, api_key: str, model: str, prompts: list[str], clients: int,
+                      max_tokens: int) -> tuple[list[Outcome], float]:
+    """`clients` clients, each sending the next waiting prompt as soon as its last answer is complete."""
+    todo = list(enumerate(prompts))
+    outcomes: list[Outcome] = []
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while todo:
+            i, prompt = todo.pop(0)
+            o = Outcome(i, prompt, None)
+            outcomes.append(o)
+            await one_client(http, url, model, o, max_tokens)
+
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {api_key}"}, timeout=1800,
+                                 limits=limits) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+        return outcomes, time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated concurrent client counts")
+    p.add_argument("--config", action="append", default=None, metavar="NAME=ARGS",
+                   help="a server configuration: name=extra serve arguments (repeatable; default: "
+                        "plain='--method vanilla' and spec='')")
+    p.add_argument("--max-batch", type=int, default=16, help="--max-batch of every server (default: 16)")
+    p.add_argument("--requests", type=int, default=16, help="requests per concurrency level (default: 16)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--tolerance", type=float, default=0.05,
+                   help="speculation may be this fraction below plain batched decoding before the check fails")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if not levels or min(levels) < 1 or not 1 <= args.max_tokens <= MAX_TOKENS:
+        raise SystemExit(f"--concurrency needs positive counts and --max-tokens 1..{MAX_TOKENS}")
+    configs = dict(c.split("=", 1) for c in (args.config or ["plain=--method vanilla", "spec="]))
+    questions = select(load_questions("mt-bench"), limit=args.requests)
+    prompts = [q.turns[0] for q in questions]
+    api_key = os.urandom(12).hex()
+    rows, answers = [], {}
+    reference: dict[str, str] | None = None
+    for name, extra in configs.items():
+        proc, url = start(args.model, extra.split() + ["--max-batch", str(args.max_batch)], args.threads, api_key)
+        try:
+            sync = httpx.Client(headers={"Authorization": f"Bearer {api_key}"}, timeout=600)
+            served = sync.get(url + "/v1/models").json()["data"][0]["id"]
+            health = sync.get(url + "/health").json()
+            sync.post(url + "/v1/chat/completions", json={"model": served, "max_tokens": 8,
+                                                          "messages": [{"role": "user", "content": "Hi"}]})
+            for clients in levels:
+                before = scrape(sync, url)
+                outcomes, wall = asyncio.run(closed_loop(url, api_key, served, prompts, clients, args.max_tokens))
+                after = scrape(sync, url)
+                failed = [o for o in outcomes if o.error or not o.done]
+                if failed:
+                    raise SystemExit(f"{name} at {clients} clients: {failed[0].error or 'incomplete stream'}")
+                texts = {o.prompt: o.text for o in outcomes}
+                if reference is None:  # the first configuration's first level: one request at a time
+                    reference = texts
+                answers[(name, clients)] = texts
+                d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+                forwards = max(d.get("eaglespec:spec_decode_num_target_forwards_total", 0.0), 1.0)
+                tokens = d.get("eaglespec:generation_tokens_total", 0.0)
+                lat = [o.latency for o in outcomes]
+                drafted = d.get("eaglespec:batch_sequences_drafted_total", 0.0)
+                sequences = drafted + d.get("eaglespec:batch_sequences_plain_total", 0.0)  # per batched step
+                ttft = [o.ttft for o in outcomes if o.ttft is not None]
+                rows.append({
+                    "config": name, "method": health["method"], "serve_args": extra, "max_batch": args.max_batch,
+                    "concurrency": clients, "requests": len(outcomes), "tokens": int(tokens),
+                    "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
+                    "latency_p50_s": round(percentile(lat, 50), 2), "latency_p95_s": round(percentile(lat, 95), 2),
+                    "ttft_p50_s": round(percentile(ttft, 50), 2), "ttft_p95_s": round(percentile(ttft, 95), 2),
+                    "tau": round((d.get("eaglespec:spec_decode_num_accepted_tokens_total", 0.0) + forwards)
+                                 / forwards, 2),
+                    "mean_batch": round(sequences / max(d.get("eaglespec:batch_steps_total", 0.0), 1.0), 2),
+                    "drafted_share": round(drafted / max(sequences, 1.0), 2),
+                    "equal_to_single": texts == reference,
+                })
+                print(json.dumps(rows[-1]), file=sys.stderr)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    base = next(r["tokens_per_s"] for r in rows if r["concurrency"] == min(levels))
+    for r in rows:
+        r["x_single_plain"] = round(r["tokens_per_s"] / base, 2)
+    names = list(configs)
+    checks = {"every greedy answer equals its single-request answer": all(r["equal_to_single"] for r in rows)}
+    at8 = [r for r in rows if r["concurrency"] == 8]
+    if at8:
+        checks["8 concurrent streams: at least 4x single-stream plain"] = all(r["x_single_plain"] >= 4 for r in at8)
+    if len(names) >= 2:
+        plain = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["config"] == names[0]}
+        spec = [r for r in rows if r["config"] == names[1]]
+        checks[f"{names[1]} never below {names[0]} (tolerance {args.tolerance:.0%})"] = all(
+            r["tokens_per_s"] >= (1 - args.tolerance) * plain[r["concurrency"]] for r in spec)
+    print("| config | concurrency | tokens/s | x single plain | p50 latency s | p95 latency s | p50 TTFT s | tau | "
+          "mean batch | drafted share | equal |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['config']} | {r['concurrency']} | {r['tokens_per_s']} | {r['x_single_plain']} | "
+              f"{r['latency_p50_s']} | {r['latency_p95_s']} | {r['ttft_p50_s']} | {r['tau']} | {r['mean_batch']} | "
+              f"{r['drafted_share']} | {'yes' if r['equal_to_single'] else 'NO'} |")
+    for name, ok in checks.items():
+        print(f"[{'ok' if ok else 'FAILED'}] {name}")
+    if args.json:
+        command = "python benchmarks/concurrency.py " + " ".join(argv or sys.argv[1:])
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"machine": describe_machine(), "model": args.model, "command": command,
+                                         "max_tokens": args.max_tokens, "rows": rows, "checks": checks},
+                                        indent=2) + "\n")
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
