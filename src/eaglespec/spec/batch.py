@@ -95,6 +95,7 @@ class BatchDecoder:
         self.drafters = [AdaptiveDrafter(drafter.fork(), _Directed()) for _ in range(pool.size)]
         self.waiting: OrderedDict[Hashable, tuple] = OrderedDict()
         self.active: OrderedDict[Hashable, _Active] = OrderedDict()
+        self.cancelled: set = set()  # requests cancelled since the last step began (`run` drops their events)
         self.last_report = StepReport()
 
     # ---- requests ----------------------------------------------------------------------------------------------
@@ -114,6 +115,7 @@ class BatchDecoder:
         if entry is None:
             return False
         self._free(entry)
+        self.cancelled.add(key)
         return True
 
     @property
@@ -132,6 +134,7 @@ class BatchDecoder:
         """Admit, draft, verify and accept once; returns the events of this step in order: each request's `Step`,
         and a `Finished` after the last `Step` of a request that ended."""
         t_step = time.perf_counter()
+        self.cancelled.clear()
         events: list[tuple[Hashable, Step | Finished]] = []
         report = StepReport()
         while self.waiting and self.pool.free and report.prefills < self.prefills_per_step:
@@ -190,7 +193,7 @@ class BatchDecoder:
                     tree = self.policy.prune(e.key, tree, plan)
             trees.append(tree)
             draft_times.append(seconds)
-        greedy = all(e.seq.sampling.greedy for e in entries)  # else every row's logits (greedy rows: their argmax)
+        greedy = [e.seq.sampling.greedy for e in entries]  # greedy sequences' tokens as their batch-1 steps get them
         steps = [(e.slot, tree.tokens, tree.positions(self.pool[e.slot].cache_len),
                   tree.ancestor_mask() if len(tree) > 1 else None) for e, tree in zip(entries, trees)]
         t0 = time.perf_counter()
@@ -211,6 +214,9 @@ class BatchDecoder:
 
     # ---- to completion -----------------------------------------------------------------------------------------
     def run(self) -> Iterator[tuple[Hashable, Step | Finished]]:
-        """Step until nothing is waiting or running, yielding every event."""
+        """Step until nothing is waiting or running, yielding every event (none of a request after its `cancel`,
+        even one its step made before)."""
         while self.busy:
-            yield from self.step()
+            for key, event in self.step():
+                if key not in self.cancelled:
+                    yield key, event

@@ -83,21 +83,26 @@ class TargetPool:
         return self.targets[slot]
 
     @torch.inference_mode()
-    def forward(self, steps: list[SlotStep | tuple], greedy: bool = False) -> list[TargetOutput]:
+    def forward(self, steps: list[SlotStep | tuple], greedy: bool | list[bool] = False) -> list[TargetOutput]:
         """One decode step of each slot in `steps` (each slot at most once, each with committed rows); returns
-        their outputs in order. Commit each slot's accepted rows (`self[slot].commit(keep)`) before its next
-        forward."""
+        their outputs in order. `greedy`: for all slots or one flag per slot (`TargetModel.forward`'s: a greedy
+        slot's tokens come from the greedy head where the target has one, as its batch-1 greedy step's do). Commit
+        each slot's accepted rows (`self[slot].commit(keep)`) before its next forward."""
         steps = [SlotStep(*s) for s in steps]
         if len({s.slot for s in steps}) != len(steps):
             raise ValueError("a slot can take part in a batched forward only once")
+        flags = list(greedy) if isinstance(greedy, (list, tuple)) else [greedy] * len(steps)
+        if len(flags) != len(steps):
+            raise ValueError(f"got {len(flags)} greedy flags for {len(steps)} slots")
         self.forwards += 1
         self.rows += sum(s.tokens.numel() for s in steps)
         if not self.together or len(steps) == 1:
-            return [self.targets[s.slot].forward(s.tokens, s.positions, s.tree_mask, greedy=greedy) for s in steps]
-        return _forward_together([self.targets[s.slot] for s in steps], steps, greedy)
+            return [self.targets[s.slot].forward(s.tokens, s.positions, s.tree_mask, greedy=g)
+                    for s, g in zip(steps, flags)]
+        return _forward_together([self.targets[s.slot] for s in steps], steps, flags)
 
 
-def _forward_together(targets: list[FastTarget], steps: list[SlotStep], greedy: bool) -> list[TargetOutput]:
+def _forward_together(targets: list[FastTarget], steps: list[SlotStep], greedy: list[bool]) -> list[TargetOutput]:
     """FastTarget.forward's decode step for several slots at once: the rows of all of them through each layer's
     products together, each slot's rows attending over its own cache (as its batch-1 step would)."""
     lead = targets[0]
@@ -151,8 +156,17 @@ def _forward_together(targets: list[FastTarget], steps: list[SlotStep], greedy: 
 
         x = decoder_layer(layer, x, cos_all, sin_all, heads, lead.eps, lead.attention_dtype, attend)
     last = rms_norm(x, lead.final_norm, lead.eps)  # [N, d]
-    best = lead.greedy_head(last) if greedy and lead.greedy_head is not None else None  # [N] or None
-    logits = lead.logits_head(last) if best is None else None  # [N, vocab]
+    # greedy slots' tokens from the greedy head (the argmax of the exact logits, as their batch-1 steps get them;
+    # the argmax of the bfloat16 logits can differ), the others' logits
+    row_greedy = torch.tensor([g for g, n in zip(greedy, sizes) for _ in range(n)])  # [N]
+    best = None
+    if lead.greedy_head is not None and bool(row_greedy.any()):
+        picked = row_greedy.nonzero().flatten().to(last.device)
+        found = lead.greedy_head(last if bool(row_greedy.all()) else last[picked])  # [rows of greedy slots] or None
+        if found is not None:
+            best = torch.full((last.shape[0],), -1, dtype=torch.long, device=found.device)
+            best[picked.to(found.device)] = found
+    logits = lead.logits_head(last) if best is None or not bool(row_greedy.all()) else None  # [N, vocab]
     if lead.feature_kind == "final":
         features = last
     elif lead.feature_kind == "eagle3":
@@ -161,12 +175,12 @@ def _forward_together(targets: list[FastTarget], steps: list[SlotStep], greedy: 
     else:
         features = None
     outputs, start = [], 0
-    for t, n in zip(targets, sizes):
+    for t, n, g in zip(targets, sizes, greedy):
         rows = slice(start, start + n)
         t._pending = n
         outputs.append(TargetOutput(logits=None if logits is None else logits[rows],
                                     features=None if features is None else features[rows],
-                                    greedy_tokens=None if best is None else best[rows],
+                                    greedy_tokens=best[rows] if g and best is not None else None,
                                     argmax_rows=t.kernels.argmax_rows))
         start += n
     return outputs

@@ -1,0 +1,195 @@
+"""Load-aware drafting for a batch (eaglespec.spec.load): the step-cost fit, who drafts under flat and steep costs,
+probes, the pruning of trees to the nodes worth their rows, and DraftTree.prune's trees."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from eaglespec.spec.load import LoadPolicy, Plan, StepCosts
+from eaglespec.spec.tree import DraftTree, chain
+
+
+def scored_chain(probabilities: list[float]) -> DraftTree:
+    """A chain whose nodes' path scores are the logs of the cumulative products of `probabilities`."""
+    scores, total = [0.0], 0.0
+    for p in probabilities:
+        total += math.log(p)
+        scores.append(total)
+    return DraftTree.from_lists(list(range(len(scores))), list(range(-1, len(scores) - 1)), scores)
+
+
+def feed_costs(policy: LoadPolicy, fixed: float, per_row: float, widths=(2, 5, 9, 17, 33, 65)) -> None:
+    for _ in range(3):
+        for rows in widths:
+            policy.observe_step(rows, fixed + per_row * rows)
+
+
+def drafted_once(policy: LoadPolicy, keys, accepted: int, rows: int = 15) -> None:
+    for key in keys:
+        policy.observe_sequence(key, scored_chain([0.5] * rows), accepted)
+
+
+def test_step_costs_fit_a_line():
+    costs = StepCosts()
+    assert not costs.known
+    wobble = [0.0004, -0.0004, 0.0002, -0.0002]
+    for i, rows in enumerate([4, 8, 16, 32, 64, 128] * 4):
+        costs.observe(rows, 0.012 + 0.0003 * rows + wobble[i % 4] * (i % 2))
+    assert costs.known
+    assert costs.a == pytest.approx(0.012, rel=0.05) and costs.b == pytest.approx(0.0003, rel=0.05)
+    assert costs.time(100) == pytest.approx(0.012 + 0.03, rel=0.02)
+
+
+def test_step_costs_of_one_width_follow_the_prior_and_old_times_are_forgotten():
+    costs = StepCosts(memory=8, prior_slope=0.25)
+    costs.observe(4, 0.02)
+    costs.observe(4, 0.02)
+    assert costs.a == pytest.approx(0.01) and costs.b == pytest.approx(0.0025)  # 0.02 = a (1 + 0.25 * 4)
+    assert costs.time(4) == pytest.approx(0.02)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8):  # a flat machine: the first times are out of the memory
+        costs.observe(rows, 0.05)
+    assert costs.a == pytest.approx(0.05) and costs.b == pytest.approx(0.0, abs=1e-12)
+    costs.observe(9, 0.01)  # never a negative slope
+    assert costs.b >= 0.0 and costs.a >= 0.0
+
+
+def test_nothing_timed_yet_everyone_drafts():
+    policy = LoadPolicy(tree_rows=15)
+    plan = policy.plan(["a", "b", "c"])
+    assert plan.draft == {"a", "b", "c"}
+
+
+def test_flat_costs_and_good_acceptance_draft_everyone():
+    policy = LoadPolicy(tree_rows=15)
+    feed_costs(policy, fixed=0.02, per_row=0.0)
+    policy.observe_draft(0.001)
+    keys = list(range(8))
+    drafted_once(policy, keys, accepted=3)
+    assert policy.costs.b == pytest.approx(0.0, abs=1e-12)
+    for _ in range(3):
+        plan = policy.plan(keys)
+        assert plan.draft == set(keys)
+        assert plan.tokens == pytest.approx(8 + 8 * 3)
+        drafted_once(policy, keys, accepted=3)
+
+
+def test_steep_costs_and_low_acceptance_draft_only_probes():
+    policy = LoadPolicy(tree_rows=15, probe_every=4)
+    feed_costs(policy, fixed=0.002, per_row=0.002)
+    policy.observe_draft(0.003)
+    keys = ["a", "b", "c", "d"]
+    drafted_once(policy, keys, accepted=0)
+    drafted_once(policy, ["d"], accepted=1)
+    plans = []
+    for _ in range(10):
+        plan = policy.plan(keys)
+        plans.append(plan.draft)
+        for key in keys:
+            tree = scored_chain([0.5] * 15) if key in plan.draft else DraftTree.root_only(1)
+            policy.observe_sequence(key, tree, 0)
+    # plain steps, and every probe_every plain steps of a sequence one probe of it
+    assert plans == [set(), set(), set(), set(), set(keys), set(), set(), set(), set(), set(keys)]
+    assert policy.plan(keys + ["new"]).draft == {"new"}  # a sequence that never drafted drafts once
+
+
+def test_plan_admits_the_sequences_whose_drafts_pay():
+    policy = LoadPolicy(tree_rows=8)
+    feed_costs(policy, fixed=0.01, per_row=0.0004)
+    policy.observe_draft(0.001)
+    drafted_once(policy, ["good"], accepted=4, rows=8)
+    drafted_once(policy, ["poor"], accepted=0, rows=8)
+    drafted_once(policy, ["fair"], accepted=1, rows=8)
+    plan = policy.plan(["poor", "good", "fair"])
+    assert "good" in plan.draft and "poor" not in plan.draft
+    # what it expects: one token per sequence plus each drafter's acceptance, at the fitted cost of the rows
+    extra = sum(policy.outlooks[k].accepted for k in plan.draft)
+    assert plan.tokens == pytest.approx(3 + extra)
+    rows = 3 + 8 * len(plan.draft)
+    assert plan.seconds == pytest.approx(policy.costs.time(rows) + 0.001 * len(plan.draft))
+
+
+def test_prune_keeps_the_nodes_worth_their_rows():
+    policy = LoadPolicy(tree_rows=6)
+    tree = DraftTree.from_lists([10, 11, 12, 13, 14, 15], [-1, 0, 0, 1, 3, 2],
+                                [0.0, math.log(0.9), math.log(0.05), math.log(0.63), math.log(0.126),
+                                 math.log(0.01)])
+    assert policy.prune("k", tree, Plan(draft={"k"}, tokens=4.0, seconds=0.02)) is tree  # nothing timed yet
+    feed_costs(policy, fixed=0.01, per_row=0.001)
+    steep = Plan(draft={"k"}, tokens=4.0, seconds=0.02)  # a row must bring 0.001 * 4 / 0.02 = 0.2 tokens
+    pruned = policy.prune("k", tree, steep)
+    assert pruned.token_list() == [10, 11, 13] and pruned.parents.tolist() == [-1, 0, 1]
+    assert policy.prune("k", tree, Plan(draft={"k"}, tokens=40.0, seconds=0.02)).token_list() == [10, 11]  # min 2
+    flat = LoadPolicy(tree_rows=6)
+    feed_costs(flat, fixed=0.01, per_row=0.0)
+    assert flat.prune("k", tree, steep) is tree  # free rows: every node
+    unscored = chain([1, 2, 3, 4, 5])
+    assert policy.prune("k", unscored, steep) is unscored  # a chain without scores is kept whole
+
+
+def test_prune_trusts_scores_as_far_as_they_predicted_acceptance():
+    policy = LoadPolicy(tree_rows=6)
+    feed_costs(policy, fixed=0.01, per_row=0.001)
+    tree = scored_chain([0.9, 0.9, 0.9, 0.5, 0.5])  # chances 0.9, 0.81, 0.73, 0.36, 0.18
+    steep = Plan(draft={"x"}, tokens=4.0, seconds=0.02)  # threshold 0.2
+    assert len(policy.prune("fresh", tree, steep)) == 5
+    for _ in range(8):  # its scores predicted ~3 accepted tokens a step, it accepted 1
+        policy.observe_sequence("overconfident", tree, 1)
+    predicted = 0.9 + 0.81 + 0.729 + 0.3645 + 0.18225
+    assert policy.outlooks["overconfident"].calibration == pytest.approx(1 / predicted)
+    assert len(policy.prune("overconfident", tree, steep)) == 4  # 0.9, 0.81, 0.73 times ~0.33 stay above 0.2
+    for _ in range(8):
+        policy.observe_sequence("overconfident", tree, 0)
+    assert len(policy.prune("overconfident", tree, steep)) == 2  # nothing trusted: one draft node at least
+    policy.forget("overconfident")
+    assert "overconfident" not in policy.outlooks
+
+
+def random_scored_tree(rng: random.Random, size: int) -> DraftTree:
+    """An EAGLE-2-like tree: path scores that never grow from parent to child, children in no particular order,
+    some exact ties (a child of probability 1)."""
+    tokens, parents, scores = [0], [-1], [0.0]
+    for i in range(1, size):
+        parent = rng.randrange(i)
+        step = 0.0 if rng.random() < 0.1 else math.log(rng.uniform(0.02, 0.99))
+        tokens.append(rng.randrange(1000))
+        parents.append(parent)
+        scores.append(scores[parent] + step)
+    return DraftTree.from_lists(tokens, parents, scores)
+
+
+def test_draft_tree_prune_keeps_a_tree_of_the_best_nodes():
+    rng = random.Random(0)
+    for _ in range(40):
+        tree = random_scored_tree(rng, rng.randrange(2, 30))
+        tokens, parents, scores = tree.token_list(), tree.parents.tolist(), tree.scores.tolist()
+        for size in range(1, len(tree) + 2):
+            pruned = tree.prune(size)
+            n = min(max(size, 1), len(tree))
+            assert len(pruned) == n
+            kept = [0] + sorted(sorted(range(1, len(tree)), key=lambda i: (-scores[i], i))[: n - 1])
+            assert pruned.token_list() == [tokens[i] for i in kept]
+            assert pruned.scores.tolist() == pytest.approx([scores[i] for i in kept])
+            new = pruned.parents.tolist()
+            assert new[0] == -1 and all(0 <= new[j] < j for j in range(1, n))  # parents before children
+            assert all(kept[new[j]] == parents[kept[j]] for j in range(1, n))  # the same parent as before
+            if n < len(tree):  # every dropped node scores no better than the worst kept one
+                dropped = set(range(1, len(tree))) - set(kept)
+                assert max(scores[i] for i in dropped) <= min([scores[i] for i in kept[1:]] or [0.0])
+        assert tree.prune(len(tree)) is tree
+
+
+def test_draft_tree_prune_without_scores_keeps_a_prefix():
+    tree = DraftTree.from_lists([5, 6, 7, 8, 9], [-1, 0, 0, 1, 2])
+    assert tree.prune(3).token_list() == [5, 6, 7] and tree.prune(3).parents.tolist() == [-1, 0, 0]
+    assert tree.prune(4).parents.tolist() == [-1, 0, 0, 1] and tree.prune(4).scores is None
+    assert tree.prune(0).token_list() == [5] and tree.prune(1).token_list() == [5]
+    assert tree.prune(9) is tree
+
+
+def test_draft_tree_prune_rejects_scores_that_grow_down_the_tree():
+    tree = DraftTree.from_lists([1, 2, 3], [-1, 0, 1], [0.0, -2.0, -0.5])
+    with pytest.raises(ValueError, match="do not form a tree"):
+        tree.prune(2)
