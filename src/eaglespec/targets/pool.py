@@ -188,7 +188,8 @@ def _forward_together(targets: list[FastTarget], steps: list[SlotStep], greedy: 
 
 def _attend_kernel(t: FastTarget, layer: int, q: Tensor, k: Tensor, v: Tensor, c: int,
                    step_mask: Tensor | None) -> Tensor:
-    return t.kernels.attend_tree(q.contiguous(), k.contiguous(), v.contiguous(), keys=t.layer_keys[layer],
+    # (the kernel reads strided queries in place, and the cache writes copy k and v: no copies of the slices needed)
+    return t.kernels.attend_tree(q, k, v, keys=t.layer_keys[layer],
                                  values=t.layer_values[layer], c=c, step_mask=step_mask)
 
 
