@@ -404,7 +404,8 @@ def test_openvino_peers_export_once_and_draft_with_a_draft_model(model_dir, fake
                                                                                           f"{os.getpid()}")
     pipelines = peer_log(fake_python, "openvino.LLMPipeline")
     assert [p["prefix_caching"] for p in pipelines] == [False, False]
-    assert pipelines[0]["properties"] == {"INFERENCE_NUM_THREADS": 2, "INFERENCE_PRECISION_HINT": "f32"}
+    assert pipelines[0]["properties"] == {"INFERENCE_NUM_THREADS": 2, "INFERENCE_PRECISION_HINT": "f32",
+                                          "KV_CACHE_PRECISION": "f32"}
     assert pipelines[0]["draft"] is None and pipelines[1]["draft"].endswith("-int4")
     assert pipelines[1]["draft_properties"]["INFERENCE_PRECISION_HINT"] == "f32"
     prompt = [3, 4, 5]

@@ -61,8 +61,8 @@ def register(subparsers, model_options, sampling_options) -> None:
     peers.add_argument("--openvino-weights", default="int8", choices=["int4", "int8", "fp16", "fp32"],
                        help="weights of the OpenVINO export (optimum-cli --weight-format; cached; default int8)")
     peers.add_argument("--openvino-precision", default="f32", choices=["f32", "bf16", "f16", "default"],
-                       help="OpenVINO's inference precision (default f32: with it, its speculative output equals its "
-                            "plain output; 'default' = the plugin's own choice)")
+                       help="OpenVINO's inference and KV-cache precision (default f32: with it, its speculative "
+                            "output equals its plain output; 'default' = the plugin's own choice, e.g. a u8 KV cache)")
     model_options(p)
     sampling_options(p)
     # bench takes a list (--methods); a lone --method X is read as --methods X. 128 new tokens by default.

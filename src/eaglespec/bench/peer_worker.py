@@ -105,8 +105,9 @@ class OpenVinoEngine:
 
         self.genai = openvino_genai
         properties = {"INFERENCE_NUM_THREADS": int(options.get("threads") or 1)}
-        if options.get("precision"):
+        if options.get("precision"):  # the computation's and the KV cache's (by default u8 on a CPU)
             properties["INFERENCE_PRECISION_HINT"] = options["precision"]
+            properties["KV_CACHE_PRECISION"] = options["precision"]
         scheduler = openvino_genai.SchedulerConfig()
         scheduler.enable_prefix_caching = False  # every run pays its prefill, as the other methods do
         scheduler.cache_size = int(options.get("kv_cache_gb", 1))
@@ -117,6 +118,7 @@ class OpenVinoEngine:
         self.assistant_tokens = int(options.get("num_assistant_tokens") or 0) if options.get("draft_model") else 0
         self.info = {"version": _version("openvino-genai") or getattr(openvino_genai, "__version__", None),
                      "openvino": _version("openvino"), "precision": options.get("precision") or "default",
+                     "kv_cache_precision": options.get("precision") or "default",
                      "threads": properties["INFERENCE_NUM_THREADS"]}
 
     def generate(self, request: dict) -> dict:
