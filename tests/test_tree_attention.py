@@ -123,6 +123,38 @@ def test_bad_input_is_a_clear_error():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_call_writes_and_attends_each_sequence_as_its_own_call(dtype):
+    """tree_attention_batch (a batch's step, eaglespec.targets.pool): each sequence's rows are written to its own cache
+    and attend over it with the bits of the one-sequence path (write_and_attend_tree), whatever the other sequences:
+    plain one-row steps, causal blocks and trees of other sizes, over caches of other lengths and capacities."""
+    from eaglespec.backends.cpu.attention import write_and_attend_batch, write_and_attend_tree
+
+    heads, kv_heads, hd = 9, 3, 64
+    shapes = [(37, 1, None), (5, 6, random_tree(6, 1).ancestor_mask()), (120, 3, None), (0, 4, None),
+              (64, 9, random_tree(9, 2).ancestor_mask())]  # (cached rows, step rows, step mask or None: causal)
+    g = torch.Generator().manual_seed(7)
+    caches = [(torch.randn(kv_heads, hd, c + n + 11, generator=g).to(dtype),
+               torch.randn(kv_heads, c + n + 11, hd, generator=g).to(dtype)) for c, n, _ in shapes]
+    total = sum(n for _, n, _ in shapes)
+    q = torch.randn(total, heads, hd, generator=g).transpose(0, 1)  # [H, N, hd], strided as the layers make it
+    k, v = torch.randn(kv_heads, total, hd, generator=g), torch.randn(kv_heads, total, hd, generator=g)
+    alone = [(keys.clone(), values.clone()) for keys, values in caches]
+    expected, start = [], 0
+    for (c, n, mask), (keys, values) in zip(shapes, alone):
+        rows = slice(start, start + n)
+        expected.append(write_and_attend_tree(q[:, rows], k[:, rows], v[:, rows], keys, values, c, mask))
+        start += n
+    out = write_and_attend_batch(q, k, v, [keys for keys, _ in caches], [values for _, values in caches],
+                                 [c for c, _, _ in shapes], [n for _, n, _ in shapes], [m for _, _, m in shapes])
+    assert torch.equal(out, torch.cat(expected, dim=1))
+    for (keys, values), (keys_alone, values_alone) in zip(caches, alone):
+        assert torch.equal(keys, keys_alone) and torch.equal(values, values_alone)
+    with pytest.raises(RuntimeError, match="sizes add up"):
+        write_and_attend_batch(q, k, v, [keys for keys, _ in caches], [values for _, values in caches],
+                               [c for c, _, _ in shapes], [1] * len(shapes), [None] * len(shapes))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_commit_rows_moves_the_accepted_path_in_every_layer(dtype):
     """csrc/common/commit_rows.h: rows c + rows[i] -> c + i in every layer's transposed keys and values, the rest as it
     was; what FastTarget.commit did with one indexing call per cache."""

@@ -106,7 +106,7 @@ def _forward_together(targets: list[FastTarget], steps: list[SlotStep], greedy: 
     """FastTarget.forward's decode step for several slots at once: the rows of all of them through each layer's
     products together, each slot's rows attending over its own cache (as its batch-1 step would)."""
     lead = targets[0]
-    tokens, cos, sin, attends, sizes = [], [], [], [], []
+    tokens, cos, sin, attends, sizes, masks = [], [], [], [], [], []
     for t, s in zip(targets, steps):
         if t._pending:
             raise RuntimeError("commit() the previous forward of every slot before running another one")
@@ -123,6 +123,7 @@ def _forward_together(targets: list[FastTarget], steps: list[SlotStep], greedy: 
         if n > 1:
             step_rows = (torch.ones(n, n, dtype=torch.bool).tril_() if s.tree_mask is None else s.tree_mask)
             step_rows = step_rows.to(t.device).contiguous()  # [n, n]: the step rows each row sees
+        masks.append(step_rows)
         if t.tree_kernel:  # eaglespec's decode-step attention, as FastTarget.forward runs every decode step
             attends.append(partial(_attend_kernel, t, c=c, step_mask=step_rows))
         else:  # one attention call over the slot's cache (GPU)
@@ -141,12 +142,18 @@ def _forward_together(targets: list[FastTarget], steps: list[SlotStep], greedy: 
     heads = (lead.n_heads, lead.n_kv, lead.head_dim)
     feature_layers = lead.eagle3_layers() if lead.feature_kind == "eagle3" else ()
     saved = []
+    kernel = all(t.tree_kernel for t in targets)  # every slot's attention in one kernel call per layer
+    cached = [t.cache_len for t in targets]
     for i, layer in enumerate(lead.layers):
         if i in feature_layers:
             saved.append(x)
 
         def attend(q: Tensor, k: Tensor, v: Tensor, layer_index: int = i) -> Tensor:
             # q [H, N, hd], k, v [Hkv, N, hd] -> [H, N, hd]: each slot's rows over its own cache
+            if kernel:
+                return lead.kernels.attend_tree_batch(q, k, v, [t.layer_keys[layer_index] for t in targets],
+                                                      [t.layer_values[layer_index] for t in targets], cached, sizes,
+                                                      masks)
             out, start = [], 0
             for run, n in zip(attends, sizes):
                 rows = slice(start, start + n)

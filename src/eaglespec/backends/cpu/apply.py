@@ -76,6 +76,7 @@ class TargetKernels:
 
     # the kernel's decode-step attention and cache commit (keys_transposed layout)
     attend_tree = staticmethod(attention.write_and_attend_tree)
+    attend_tree_batch = staticmethod(attention.write_and_attend_batch)  # several sequences' steps in one call
     commit_rows = staticmethod(attention.commit_rows)
 
     def warm_up(self, target) -> float:

@@ -22,6 +22,8 @@ TORCH_LIBRARY(eaglespec, m) {
   // the dispatcher then fails; every caller passes it)
   m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias, int variant) -> Tensor");
   m.def("tree_attention(Tensor q, Tensor keys_t, Tensor values, Tensor? step_mask) -> Tensor");
+  m.def("tree_attention_batch(Tensor q, Tensor k, Tensor v, Tensor(a!)[] keys_t, Tensor(b!)[] values, int[] cached, "
+        "int[] sizes, Tensor?[] step_masks) -> Tensor");
   m.def("commit_rows(Tensor(a!)[] keys_t, Tensor(b!)[] values, int c, int[] rows) -> ()");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("topk_rows(Tensor scores, int k) -> (Tensor, Tensor)");
@@ -35,6 +37,7 @@ TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
   m.impl("bf16_pack", eaglespec::bf16::bf16_pack);
   m.impl("bf16_linear", eaglespec::bf16::bf16_linear);
   m.impl("tree_attention", eaglespec::attention::tree_attention);
+  m.impl("tree_attention_batch", eaglespec::attention::tree_attention_batch);
   m.impl("commit_rows", eaglespec::commit::commit_rows);
   m.impl("argmax_rows", eaglespec::argmax::argmax_rows);
   m.impl("topk_rows", eaglespec::topk::topk_rows);

@@ -40,11 +40,18 @@ struct Queries {
   const float* at(int64_t h, int64_t r) const { return data + h * head_stride + r * row_stride; }
 };
 
+// Where the outputs of the step's (head, row) pairs go: [H, n, hd] of one sequence, or its rows of a batch's [H, N, hd].
+struct Outputs {
+  float* data;
+  int64_t head_stride, row_stride;
+  float* at(int64_t h, int64_t r) const { return data + h * head_stride + r * row_stride; }
+};
+
 // One task: `count` pairs (h, r) of one key/value head.
 template <int P, typename T>
 void attend_pairs(const int64_t* hs, const int64_t* rs, const Queries& q, int64_t n, int64_t hd, const T* kt,
                   int64_t kt_row, const T* v, int64_t v_row, int64_t c, const std::vector<std::vector<int64_t>>& paths,
-                  float scale, std::vector<float>& scratch, float* out) {
+                  float scale, std::vector<float>& scratch, const Outputs& out) {
   const int64_t total = c + n, stride = total + kScorePad;
   scratch.resize(P * stride * 2);
   float* raw = scratch.data();            // [P][stride]: scores of every column
@@ -57,7 +64,7 @@ void attend_pairs(const int64_t* hs, const int64_t* rs, const Queries& q, int64_
   float inv[P];
   for (int p = 0; p < P; ++p) {
     qs[p] = q.at(hs[p], rs[p]);
-    outs[p] = out + (hs[p] * n + rs[p]) * hd;
+    outs[p] = out.at(hs[p], rs[p]);
   }
   isa::score_keys<P>(qs, kt, kt_row, hd, total, raw, stride);
   for (int p = 0; p < P; ++p) {
@@ -76,7 +83,8 @@ void attend_pairs(const int64_t* hs, const int64_t* rs, const Queries& q, int64_
 template <typename T>
 void attend_task(int64_t count, const int64_t* hs, const int64_t* rs, const Queries& q, int64_t n, int64_t hd,
                  const T* kt, int64_t kt_row, const T* v, int64_t v_row, int64_t c,
-                 const std::vector<std::vector<int64_t>>& paths, float scale, std::vector<float>& scratch, float* out) {
+                 const std::vector<std::vector<int64_t>>& paths, float scale, std::vector<float>& scratch,
+                 const Outputs& out) {
   switch (count) {
     case 1: return attend_pairs<1>(hs, rs, q, n, hd, kt, kt_row, v, v_row, c, paths, scale, scratch, out);
     case 2: return attend_pairs<2>(hs, rs, q, n, hd, kt, kt_row, v, v_row, c, paths, scale, scratch, out);
@@ -84,6 +92,33 @@ void attend_task(int64_t count, const int64_t* hs, const int64_t* rs, const Quer
     case 4: return attend_pairs<4>(hs, rs, q, n, hd, kt, kt_row, v, v_row, c, paths, scale, scratch, out);
     default: TORCH_CHECK(false, "tree_attention: task of ", count, " pairs");
   }
+}
+
+// Per row of a step of n rows: its visible step rows, ascending (its path); mask [n, n] bool or undefined (causal).
+std::vector<std::vector<int64_t>> step_paths(const at::Tensor& mask, int64_t n) {
+  std::vector<std::vector<int64_t>> paths(n);
+  const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t s = 0; s < n; ++s)
+      if (mp ? mp[r * n + s] : s <= r) paths[r].push_back(s);
+  return paths;
+}
+
+// Tasks per key/value head of a step: its (head, row) pairs in near-equal groups of at most 4, and at least two tasks
+// per thread where there are pairs enough (one row: 3 pairs of a key/value head -> 2 tasks). How pairs are grouped
+// does not change any pair's bits.
+int64_t tasks_per_head(int64_t per_head, int64_t kv_heads) {
+  const int64_t wanted = (2 * at::get_num_threads() + kv_heads - 1) / kv_heads;
+  return std::min(per_head, std::max((per_head + kMaxPairs - 1) / kMaxPairs, wanted));
+}
+
+at::Tensor checked_mask(const std::optional<at::Tensor>& step_mask, int64_t n) {
+  at::Tensor mask;
+  if (step_mask.has_value()) {
+    mask = step_mask->to(at::kBool).contiguous();
+    TORCH_CHECK(mask.dim() == 2 && mask.size(0) == n && mask.size(1) == n, "tree_attention: step_mask must be [n, n]");
+  }
+  return mask;
 }
 
 // q [H, n, hd] float32; keys_t [Hkv, hd, c + n] (transposed: keys along the last dim) and values [Hkv, c + n, hd],
@@ -104,28 +139,16 @@ at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& keys_t, cons
               "tree_attention: keys_t must be [", kv_heads, ", ", hd, ", c + ", n, "] and values [", kv_heads,
               ", c + ", n, ", ", hd, "]");
   TORCH_CHECK(keys_t.stride(2) == 1 && values.stride(2) == 1, "tree_attention: keys/values need a contiguous last dim");
-  at::Tensor mask;
-  if (step_mask.has_value()) {
-    mask = step_mask->to(at::kBool).contiguous();
-    TORCH_CHECK(mask.dim() == 2 && mask.size(0) == n && mask.size(1) == n, "tree_attention: step_mask must be [n, n]");
-  }
+  const at::Tensor mask = checked_mask(step_mask, n);
   const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();  // (a view of [n, H, hd]: read in place)
   at::Tensor out = at::empty({heads, n, hd}, q.options());
   if (heads == 0 || n == 0) return out;
-  // Per row: its visible step rows, ascending (its path).
-  std::vector<std::vector<int64_t>> paths(n);
-  const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t s = 0; s < n; ++s)
-      if (mp ? mp[r * n + s] : s <= r) paths[r].push_back(s);
-  // Tasks: the (head, row) pairs of each key/value head in near-equal groups of at most 4, and at least two tasks
-  // per thread where there are pairs enough (one row: 3 pairs of a key/value head -> 2 tasks).
+  const std::vector<std::vector<int64_t>> paths = step_paths(mask, n);
   const int64_t group = heads / kv_heads, per_head = group * n;
-  const int64_t wanted = (2 * at::get_num_threads() + kv_heads - 1) / kv_heads;
-  const int64_t tasks = std::min(per_head, std::max((per_head + kMaxPairs - 1) / kMaxPairs, wanted));
+  const int64_t tasks = tasks_per_head(per_head, kv_heads);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const Queries qp{q.data_ptr<float>(), q.stride(0), q.stride(1)};
-  float* op = out.data_ptr<float>();
+  const Outputs op{out.data_ptr<float>(), n * hd, hd};
   auto run = [&](const auto* kp, const auto* vp) {
     at::parallel_for(0, kv_heads * tasks, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
@@ -146,6 +169,90 @@ at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& keys_t, cons
     run(keys_t.data_ptr<float>(), values.data_ptr<float>());
   else
     run(keys_t.data_ptr<at::BFloat16>(), values.data_ptr<at::BFloat16>());
+  return out;
+}
+
+// A batch's decode step, every sequence over its own cache, in one call (eaglespec.targets.pool): q [H, N, hd] float32
+// (the rows of all sequences, one after another: sizes[i] rows each), k and v [Hkv, N, hd] float32, this step's keys
+// and values. Sequence i's rows are first written to its cache, keys_t[i] [Hkv, hd, capacity] and values[i]
+// [Hkv, capacity, hd] (float32 or bfloat16), at rows cached[i] .. cached[i] + sizes[i] - 1 (as a tensor copy: the
+// same rounding as writing them from Python), then attend exactly as `tree_attention` over that cache slice with
+// step_masks[i] ([n, n] bool, or none: causal) -> [H, N, hd]: each row has the bits tree_attention gives it.
+at::Tensor tree_attention_batch(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
+                                at::TensorList keys_t, at::TensorList values, at::IntArrayRef cached,
+                                at::IntArrayRef sizes, const c10::List<std::optional<at::Tensor>>& step_masks) {
+  const int64_t count = static_cast<int64_t>(keys_t.size());
+  TORCH_CHECK(count > 0 && static_cast<int64_t>(values.size()) == count &&
+                  static_cast<int64_t>(cached.size()) == count && static_cast<int64_t>(sizes.size()) == count &&
+                  static_cast<int64_t>(step_masks.size()) == count,
+              "tree_attention_batch: one cache, cached length, size and mask per sequence");
+  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q_in.scalar_type() == at::kFloat &&
+                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "tree_attention_batch: float32 q [H, N, hd], k and v [Hkv, N, hd]");
+  const int64_t heads = q_in.size(0), rows = q_in.size(1), hd = q_in.size(2), kv_heads = k.size(0);
+  TORCH_CHECK(hd % kHeadDimStep == 0 && hd <= kMaxHeadDim && heads % kv_heads == 0 && k.size(1) == rows &&
+                  v.size(0) == kv_heads && v.size(1) == rows && k.size(2) == hd && v.size(2) == hd,
+              "tree_attention_batch: q [H, N, hd], k and v [Hkv, N, hd], head_dim a multiple of 16, <= 256");
+  const at::ScalarType dtype = keys_t[0].scalar_type();
+  std::vector<int64_t> starts(count + 1, 0);
+  std::vector<std::vector<std::vector<int64_t>>> paths(count);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t c = cached[i], n = sizes[i];
+    const at::Tensor& kt = keys_t[i];
+    const at::Tensor& vs = values[i];
+    TORCH_CHECK(kt.dim() == 3 && vs.dim() == 3 && kt.size(0) == kv_heads && kt.size(1) == hd &&
+                    vs.size(0) == kv_heads && vs.size(2) == hd && c >= 0 && n > 0 && c + n <= kt.size(2) &&
+                    c + n <= vs.size(1) && kt.scalar_type() == dtype && vs.scalar_type() == dtype &&
+                    (dtype == at::kFloat || dtype == at::kBFloat16) && kt.stride(2) == 1 && vs.stride(2) == 1,
+                "tree_attention_batch: sequence ", i, ": cache keys_t [", kv_heads, ", ", hd, ", >= c + n] and values [",
+                kv_heads, ", >= c + n, ", hd, "] of one dtype (float32 or bfloat16), c >= 0, n >= 1");
+    starts[i + 1] = starts[i] + n;
+    TORCH_CHECK(starts[i + 1] <= rows, "tree_attention_batch: the sizes add up to more than q's ", rows, " rows");
+    kt.narrow(2, c, n).copy_(k.narrow(1, starts[i], n).transpose(1, 2));
+    vs.narrow(1, c, n).copy_(v.narrow(1, starts[i], n));
+    paths[i] = step_paths(checked_mask(step_masks.get(i), n), n);
+  }
+  TORCH_CHECK(starts[count] == rows, "tree_attention_batch: the sizes add up to ", starts[count], ", not ", rows);
+  const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  at::Tensor out = at::empty({heads, rows, hd}, q.options());
+  // Tasks: (sequence, key/value head, group of pairs), as tree_attention makes them for each sequence.
+  const int64_t group = heads / kv_heads;
+  struct Task { int64_t seq, g, first, last; };
+  std::vector<Task> tasks;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t per_head = group * sizes[i], per = tasks_per_head(per_head, kv_heads);
+    for (int64_t g = 0; g < kv_heads; ++g)
+      for (int64_t t = 0; t < per; ++t) tasks.push_back({i, g, t * per_head / per, (t + 1) * per_head / per});
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  float* op = out.data_ptr<float>();
+  const float* qd = q.data_ptr<float>();
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch;
+      for (int64_t u = begin; u < end; ++u) {
+        const Task& task = tasks[u];
+        const int64_t i = task.seq, n = sizes[i], start = starts[i];
+        const Queries qp{qd + start * q.stride(1), q.stride(0), q.stride(1)};
+        const Outputs outs{op + start * hd, rows * hd, hd};
+        int64_t hs[kMaxPairs], rs[kMaxPairs];
+        for (int64_t p = task.first; p < task.last; ++p) {  // pair p of the head: head-in-group p / n, row p % n
+          hs[p - task.first] = task.g * group + p / n;
+          rs[p - task.first] = p % n;
+        }
+        const at::Tensor& kt = keys_t[i];
+        const at::Tensor& vs = values[i];
+        attend_task(task.last - task.first, hs, rs, qp, n, hd, kt.data_ptr<T>() + task.g * kt.stride(0),
+                    kt.stride(1), vs.data_ptr<T>() + task.g * vs.stride(0), vs.stride(1), cached[i], paths[i], scale,
+                    scratch, outs);
+      }
+    });
+  };
+  if (dtype == at::kFloat)
+    run(float{});
+  else
+    run(at::BFloat16{});
   return out;
 }
 
