@@ -90,8 +90,16 @@ def test_steep_costs_and_low_acceptance_draft_only_probes():
         for key in keys:
             tree = scored_chain([0.5] * 15) if key in plan.draft else DraftTree.root_only(1)
             policy.observe_sequence(key, tree, 0)
-    # plain steps, and every probe_every plain steps of a sequence one probe of it
-    assert plans == [set(), set(), set(), set(), set(keys), set(), set(), set(), set(), set(keys)]
+    # plain steps, and after probe_every plain steps of a sequence one probe of it; a probe that did not make
+    # drafting pay doubles the wait before the next
+    assert plans == [set(), set(), set(), set(), set(keys), set(), set(), set(), set(), set()]
+    for _ in range(4):
+        plan = policy.plan(keys)
+        plans.append(plan.draft)
+        for key in keys:
+            tree = scored_chain([0.5] * 15) if key in plan.draft else DraftTree.root_only(1)
+            policy.observe_sequence(key, tree, 0)
+    assert plans[10:] == [set(), set(), set(), set(keys)]  # 8 plain steps after the first probe
     assert policy.plan(keys + ["new"]).draft == {"new"}  # a sequence that never drafted drafts once
 
 
@@ -193,3 +201,48 @@ def test_draft_tree_prune_rejects_scores_that_grow_down_the_tree():
     tree = DraftTree.from_lists([1, 2, 3], [-1, 0, 1], [0.0, -2.0, -0.5])
     with pytest.raises(ValueError, match="do not form a tree"):
         tree.prune(2)
+
+
+def test_a_drafting_sequence_costs_what_the_rounds_measured():
+    """The overhead of a drafting sequence is learnt from whole rounds: a drafted round's excess over a plain round
+    of as many sequences, less its extra rows' forward cost, per drafting sequence; the plan then charges that, not
+    the draft call's own time, and a sequence whose drafts do not pay for it stops drafting."""
+    policy = LoadPolicy(tree_rows=3, plain_every=4)
+    feed_costs(policy, fixed=0.010, per_row=0.0005)
+    policy.observe_draft(0.001)  # the draft call alone looks cheap
+    keys = ["a", "b", "c", "d"]
+    drafted_once(policy, keys, accepted=1, rows=3)
+    assert policy.plan(keys).draft == set(keys)  # 1 token for 1 ms + 3 rows: pays on the draft call's time
+    for _ in range(3):
+        policy.observe_round(4, 0, 4, 0.020)  # plain rounds of 4 sequences: 20 ms
+    assert policy.rounds.time(4) == pytest.approx(0.020)
+    rows = 4 + 2 * 3
+    extra_rows = policy.costs.time(rows) - policy.costs.time(4)
+    policy.observe_round(4, 2, rows, 0.020 + extra_rows + 2 * 0.012)  # each drafting sequence cost 12 ms more
+    assert policy.overhead == pytest.approx(0.012)
+    plan = policy.plan(keys)
+    assert plan.draft == set()  # 1 accepted token is not worth 12 ms when a round makes 4 tokens in 20 ms
+    assert plan.seconds == pytest.approx(0.020)
+    for _ in range(8):
+        drafted_once(policy, ["e"], accepted=4, rows=3)
+    # 4 tokens for 12 ms + 3 rows beat 5 tokens a round of 5 (~22 ms: a round of 4's time, widened by the prior slope)
+    assert policy.plan(keys + ["e"]).draft == {"e"}
+
+
+def test_a_plain_round_is_timed_every_so_often_while_everybody_drafts():
+    policy = LoadPolicy(tree_rows=3, plain_every=4)
+    feed_costs(policy, fixed=0.010, per_row=0.0)
+    policy.observe_draft(0.0001)
+    keys = ["a", "b"]
+    drafted_once(policy, keys, accepted=2, rows=3)
+    drafts = []
+    for _ in range(12):  # no plain round timed yet: one after 8 drafted rounds
+        plan = policy.plan(keys)
+        drafts.append(bool(plan.draft))
+        policy.observe_round(2, len(plan.draft), 2 + 3 * len(plan.draft), 0.012 if plan.draft else 0.010)
+    assert drafts == [True] * 8 + [False] + [True] * 3
+    for _ in range(4):
+        plan = policy.plan(keys)
+        drafts.append(bool(plan.draft))
+        policy.observe_round(2, len(plan.draft), 2 + 3 * len(plan.draft), 0.012 if plan.draft else 0.010)
+    assert drafts[12:] == [True, False, True, True]  # then one every plain_every rounds

@@ -172,6 +172,7 @@ class BatchDecoder:
             self._free(entry)
 
     def _decode(self, events: list, report: StepReport) -> None:
+        t_round = time.perf_counter()
         entries = list(self.active.values())
         keys = [e.key for e in entries]
         if self.speculate == "auto":
@@ -211,6 +212,7 @@ class BatchDecoder:
             self._emit(e, events, report)
             if e.seq.done:
                 del self.active[e.key]
+        self.policy.observe_round(len(entries), report.drafted, rows, time.perf_counter() - t_round)
 
     # ---- to completion -----------------------------------------------------------------------------------------
     def run(self) -> Iterator[tuple[Hashable, Step | Finished]]:

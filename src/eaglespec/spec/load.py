@@ -16,8 +16,17 @@ prompt lookup) are kept whole. At batch 1 this is the choice `spec.adaptive` mak
 decoding; plain batched decoding (nobody drafts) is always one of the choices, so the policy only drafts where its
 measurements say it is faster.
 
-A sequence that has not drafted for `probe_every` of its steps drafts once to refresh what it accepts (the text
-changes); its first steps draft unless the costs measured so far already rule it out.
+What a drafting sequence costs is measured, not assumed: besides the forwards' T(N), the policy times whole rounds
+(drafting, the verify forward, acceptance). Plain rounds give the round time of n sequences without drafts; every
+drafted round's excess over that, less its extra rows' T(N) cost, divided by its drafting sequences, is the overhead
+d of one drafting sequence (the head's run, its catch-up over positions it skipped, what its weights push out of the
+CPU's caches, the bookkeeping of a tree). Until a drafted round has been timed against a plain one, d is the draft
+call's own time. A round without drafts is forced every `plain_every` rounds while everybody drafts, so the plain
+round time stays current.
+
+A sequence that has not drafted for a while drafts once to refresh what it accepts (the text changes): after
+`probe_every` of its plain steps, and after twice as many each time a probe did not make drafting pay (up to 16x),
+as spec.adaptive backs off its probes; its first steps draft unless the costs measured so far already rule it out.
 """
 
 from __future__ import annotations
@@ -71,6 +80,7 @@ class Outlook:
     rows: float = 0.0  # draft rows verified per drafted step
     since_draft: int = 0  # steps since it last drafted
     drafted: int = 0  # drafted steps so far
+    probe_period: int = 0  # plain steps before its next probe (0: the policy's probe_every)
 
     @property
     def calibration(self) -> float:
@@ -91,12 +101,16 @@ class LoadPolicy:
     """Chooses, each step, the sequences that draft and the nodes they verify (module docstring). Sequences are
     keyed by any hashable id; `forget` one that leaves."""
 
-    def __init__(self, tree_rows: int, probe_every: int = 16, smoothing: float = 0.25, prior_accepted: float = 1.0):
+    def __init__(self, tree_rows: int, probe_every: int = 16, smoothing: float = 0.25, prior_accepted: float = 1.0,
+                 plain_every: int = 64):
         """`tree_rows`: draft rows of a full tree (the drafter's total_tokens - 1)."""
         self.tree_rows = max(tree_rows, 1)
-        self.probe_every, self.smoothing = probe_every, smoothing
-        self.costs = StepCosts()
-        self.draft_seconds = 0.0  # per drafting sequence (moving average; 0 until measured)
+        self.probe_every, self.smoothing, self.plain_every = probe_every, smoothing, plain_every
+        self.costs = StepCosts()  # verify forwards: seconds by rows
+        self.rounds = StepCosts()  # plain rounds: seconds by sequences
+        self.draft_seconds = 0.0  # per drafting sequence, the draft call alone (moving average; 0 until measured)
+        self.overhead: float | None = None  # per drafting sequence, all it adds to a round but its rows' forward cost
+        self.since_plain = 0  # rounds since the last one without drafts
         self.prior_accepted = prior_accepted  # what a new sequence is expected to accept (the batch's average)
         self.outlooks: dict = {}
 
@@ -115,17 +129,26 @@ class LoadPolicy:
     def plan(self, keys: list) -> Plan:
         """Which of the sequences `keys` (all taking part in the next step) draft."""
         n = len(keys)
-        plan = Plan(tokens=float(n), seconds=self.costs.time(n) if self.costs.known else 0.0)
+        base = self.rounds.time(n) if self.rounds.known else self.costs.time(n) if self.costs.known else 0.0
+        plan = Plan(tokens=float(n), seconds=base)
         if not self.costs.known:  # nothing timed yet: draft, and learn what it costs
             plan.draft = set(keys)
             return plan
+        if self.since_plain >= (self.plain_every if self.rounds.known else 8):
+            return plan  # a round without drafts, to time one
+        overhead = self.draft_seconds if self.overhead is None else self.overhead
         rows = n
         for key in sorted(keys, key=lambda k: -self._outlook(k).accepted):
             o = self._outlook(key)
             extra_rows = max(round(o.rows), 1)
-            added = self.draft_seconds + self.costs.time(rows + extra_rows) - self.costs.time(rows)
+            added = overhead + self.costs.time(rows + extra_rows) - self.costs.time(rows)
             pays = o.accepted * plan.seconds > plan.tokens * added  # g / (d + b r) > K / T
-            if pays or o.since_draft >= self.probe_every or o.drafted == 0:
+            period = o.probe_period or self.probe_every
+            if pays:
+                o.probe_period = self.probe_every
+            elif o.since_draft >= period and o.drafted:  # a probe; the next one waits twice as long
+                o.probe_period = min(2 * period, 16 * self.probe_every)
+            if pays or o.since_draft >= period or o.drafted == 0:
                 plan.draft.add(key)
                 plan.tokens += o.accepted
                 plan.seconds += added
@@ -146,6 +169,20 @@ class LoadPolicy:
     def observe_step(self, rows: int, seconds: float) -> None:
         """A batched forward of `rows` rows took `seconds`."""
         self.costs.observe(rows, seconds)
+
+    def observe_round(self, sequences: int, drafting: int, rows: int, seconds: float) -> None:
+        """A whole round (drafting, the verify forward of `rows` rows, acceptance) of `sequences` sequences, of which
+        `drafting` drafted, took `seconds`."""
+        if drafting == 0:
+            self.rounds.observe(sequences, seconds)
+            self.since_plain = 0
+            return
+        self.since_plain += 1
+        if not self.rounds.known:
+            return
+        excess = seconds - self.rounds.time(sequences) - (self.costs.time(rows) - self.costs.time(sequences))
+        each = max(excess / drafting, 0.0)
+        self.overhead = each if self.overhead is None else self._blend(self.overhead, each)
 
     def observe_draft(self, seconds: float) -> None:
         """One sequence's drafting took `seconds`."""
