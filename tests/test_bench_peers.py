@@ -26,6 +26,7 @@ from eaglespec.bench.peers import (
     PeerOptions,
     PeerProcess,
     build_peer_method,
+    int4_group_size,
     parse_peer_python,
     peer_ready_folder,
     require_engine,
@@ -401,6 +402,7 @@ def test_openvino_peers_export_once_and_draft_with_a_draft_model(model_dir, fake
     argv = exports[0]["argv"]
     assert argv[:2] == ["export", "openvino"] and argv[argv.index("--weight-format") + 1] == "int4"
     assert argv[argv.index("--task") + 1] == "text-generation-with-past"
+    assert argv[argv.index("--group-size") + 1] == "64"  # the tiny model's hidden size 64: 128 does not divide it
     assert Path(argv[-1]).name.startswith("tiny-model-") and Path(argv[-1]).name.endswith("-int4.tmp"
                                                                                           f"{os.getpid()}")
     pipelines = peer_log(fake_python, "openvino.LLMPipeline")
@@ -414,11 +416,24 @@ def test_openvino_peers_export_once_and_draft_with_a_draft_model(model_dir, fake
     assert a.tokens == b.tokens == fake_answer(prompt, 12, {1})
     assert a.tau is None and b.target_forwards is not None and b.tau == len(b.tokens) / b.target_forwards
     assert plain.settings["weights"] == "int4" and plain.settings["precision"] == "f32"
+    assert plain.settings["int4_group_size"] == 64
     assert drafted.settings["num_assistant_tokens"] == 5  # default: our default tree's depth
     assert peer_log(fake_python, "openvino.generate")[1]["num_assistant_tokens"] == 5
     again = build_peer_method("openvino", ctx)  # the export is cached
     assert len(peer_log(fake_python, "optimum-cli")) == 2
     again.process.close()
+
+
+@pytest.mark.parametrize("hidden, ffn, heads, head_dim, group", [
+    (576, 1536, 9, 64, 64),  # SmolLM2-135M: 576 = 4.5 groups of 128
+    (1536, 8960, 12, 128, None),  # Qwen2.5-Coder-1.5B: the default fits
+    (896, 4864, 14, 64, None),  # Qwen2.5-Coder-0.5B
+    (100, 300, 4, 25, -1),  # nothing divides: one scale per output channel
+])
+def test_int4_group_size_divides_every_matrix_input(tmp_path, hidden, ffn, heads, head_dim, group):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": hidden, "intermediate_size": ffn,
+                                                      "num_attention_heads": heads, "head_dim": head_dim}))
+    assert int4_group_size(tmp_path) == group
 
 
 def test_a_worker_that_cannot_load_or_dies_is_a_clear_error(model_dir, fake_python, monkeypatch):

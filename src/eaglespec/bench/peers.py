@@ -500,6 +500,23 @@ def _move_into_place(tmp: Path, out: Path) -> None:
         tmp.replace(out)
 
 
+INT4_GROUP = 128  # optimum-cli's default group size for int4 weights
+
+
+def int4_group_size(folder: Path) -> int | None:
+    """The int4 group size for a model whose matrix inputs (hidden size, heads x head size, FFN size) the default
+    of 128 does not divide (e.g. SmolLM2-135M's 576): the largest of 64, 32, 16 that divides them all, else -1
+    (one scale per output channel). None where the default fits."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    hidden = int(config.get("hidden_size") or 0)
+    heads = int(config.get("num_attention_heads") or 1)
+    sizes = [hidden, int(config.get("intermediate_size") or hidden),
+             heads * int(config.get("head_dim") or hidden // heads)]
+    if all(n % INT4_GROUP == 0 for n in sizes):
+        return None
+    return next((g for g in (64, 32, 16) if all(n % g == 0 for n in sizes)), -1)
+
+
 def openvino_export(python: str, folder: Path, label: str, weights: str, progress: bool = True) -> Path:
     """The model in `folder` exported to OpenVINO with `weights` (optimum-cli export openvino, run with the
     peer's python), cached under openvino/LABEL-WEIGHTS."""
@@ -512,7 +529,11 @@ def openvino_export(python: str, folder: Path, label: str, weights: str, progres
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     command = [python, "-m", "optimum.commands.optimum_cli", "export", "openvino", "--model", str(folder),
-               "--task", "text-generation-with-past", "--weight-format", weights, str(tmp)]
+               "--task", "text-generation-with-past", "--weight-format", weights]
+    group = int4_group_size(folder) if weights == "int4" else None
+    if group is not None:
+        command += ["--group-size", str(group)]
+    command.append(str(tmp))
     print(f"eaglespec: exporting {label} to OpenVINO ({weights} weights) in {out} (once): {shlex.join(command)}",
           file=sys.stderr)
     handle, log = tempfile.mkstemp(prefix=f"eaglespec-openvino-export-{label}-", suffix=".log")
@@ -597,6 +618,8 @@ def build_peer_method(method: str, ctx, progress: bool = True) -> PeerMethod:
             worker["num_assistant_tokens"] = k
             settings["num_assistant_tokens"] = k
             settings["draft_model"] = ctx.draft_model_name
+        if weights == "int4":
+            settings["int4_group_size"] = int4_group_size(target) or INT4_GROUP
         settings.update(backend="OpenVINO GenAI LLMPipeline", weights=weights, model_folder=str(exported))
     process = PeerProcess(python, worker, method, progress=progress)
     return PeerMethod(method, settings, process, ctx.eos_ids)
