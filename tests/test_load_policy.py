@@ -83,24 +83,25 @@ def test_steep_costs_and_low_acceptance_draft_only_probes():
     keys = ["a", "b", "c", "d"]
     drafted_once(policy, keys, accepted=0)
     drafted_once(policy, ["d"], accepted=1)
-    plans = []
-    for _ in range(10):
-        plan = policy.plan(keys)
-        plans.append(plan.draft)
-        for key in keys:
-            tree = scored_chain([0.5] * 15) if key in plan.draft else DraftTree.root_only(1)
-            policy.observe_sequence(key, tree, 0)
-    # plain steps, and after probe_every plain steps of a sequence one probe of it; a probe that did not make
-    # drafting pay doubles the wait before the next
-    assert plans == [set(), set(), set(), set(), set(keys), set(), set(), set(), set(), set()]
-    for _ in range(4):
-        plan = policy.plan(keys)
-        plans.append(plan.draft)
-        for key in keys:
-            tree = scored_chain([0.5] * 15) if key in plan.draft else DraftTree.root_only(1)
-            policy.observe_sequence(key, tree, 0)
-    assert plans[10:] == [set(), set(), set(), set(keys)]  # 8 plain steps after the first probe
-    assert policy.plan(keys + ["new"]).draft == {"new"}  # a sequence that never drafted drafts once
+
+    def rounds(count: int, keys: list) -> list[set]:
+        plans = []
+        for _ in range(count):
+            plan = policy.plan(keys)
+            plans.append(plan.draft)
+            for key in keys:
+                tree = scored_chain([0.5] * 15) if key in plan.draft else DraftTree.root_only(1)
+                policy.observe_sequence(key, tree, 0)
+        return plans
+
+    plans = rounds(60, keys)
+    assert plans[:4] == [set()] * 4  # plain while no sequence is due a probe
+    assert all(len(p) <= 1 for p in plans)  # then probes only, one a round at most
+    for key in keys:  # every sequence is probed, each time after twice as many plain steps as before (up to 16x)
+        probes = [i for i, p in enumerate(plans) if key in p]
+        gaps = [later - earlier for earlier, later in zip(probes, probes[1:])]
+        assert len(probes) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
+    assert "new" in set().union(*rounds(4, keys + ["new"]))  # a sequence that never drafted drafts soon
 
 
 def test_plan_admits_the_sequences_whose_drafts_pay():

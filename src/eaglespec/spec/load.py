@@ -27,6 +27,7 @@ round time stays current.
 A sequence that has not drafted for a while drafts once to refresh what it accepts (the text changes): after
 `probe_every` of its plain steps, and after twice as many each time a probe did not make drafting pay (up to 16x),
 as spec.adaptive backs off its probes; its first steps draft unless the costs measured so far already rule it out.
+At most one sequence probes a round, so a busy batch does not pay for many catch-ups at once.
 """
 
 from __future__ import annotations
@@ -137,18 +138,21 @@ class LoadPolicy:
         if self.since_plain >= (self.plain_every if self.rounds.known else 8):
             return plan  # a round without drafts, to time one
         overhead = self.draft_seconds if self.overhead is None else self.overhead
-        rows = n
+        rows, probed = n, False
         for key in sorted(keys, key=lambda k: -self._outlook(k).accepted):
             o = self._outlook(key)
             extra_rows = max(round(o.rows), 1)
             added = overhead + self.costs.time(rows + extra_rows) - self.costs.time(rows)
             pays = o.accepted * plan.seconds > plan.tokens * added  # g / (d + b r) > K / T
             period = o.probe_period or self.probe_every
+            # at most one probe a round: a busy batch does not pay for many sequences' catch-up at once
+            probe = not pays and not probed and (o.since_draft >= period or o.drafted == 0)
             if pays:
                 o.probe_period = self.probe_every
-            elif o.since_draft >= period and o.drafted:  # a probe; the next one waits twice as long
+            elif probe and o.drafted:  # the next probe of this sequence waits twice as long
                 o.probe_period = min(2 * period, 16 * self.probe_every)
-            if pays or o.since_draft >= period or o.drafted == 0:
+            if pays or probe:
+                probed |= probe
                 plan.draft.add(key)
                 plan.tokens += o.accepted
                 plan.seconds += added
