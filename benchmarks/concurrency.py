@@ -20,43 +20,16 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
-from load_test import MAX_TOKENS, Outcome, one_client, percentile, scrape
+from load_test import MAX_TOKENS, Outcome, launch, one_client, percentile, scrape
 
 from eaglespec.bench.datasets import load_questions, select
 from eaglespec.bench.machine import describe_machine
-
-
-def start(model: str, extra: list[str], threads: int | None, api_key: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "eaglespec.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--model", model,
-           "--max-queue", "256", "--timeout", "1800", "--log-level", "warning", *extra]
-    if threads:
-        cmd += ["--threads", str(threads)]
-    proc = subprocess.Popen(cmd, env=dict(os.environ, EAGLESPEC_API_KEY=api_key), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server ({' '.join(extra)}) exited during start-up:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.terminate()
-            raise SystemExit("the server did not come up within 600 s")
-        time.sleep(0.5)
 
 
 async def closed_loop(url: str, api_key: str, model: str, prompts: list[str], clients: int,
@@ -105,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, answers = [], {}
     reference: dict[str, str] | None = None
     for name, extra in configs.items():
-        proc, url = start(args.model, extra.split() + ["--max-batch", str(args.max_batch)], args.threads, api_key)
+        serve_args = extra.split() + ["--max-batch", str(args.max_batch), "--max-queue", "256", "--timeout", "1800"]
+        proc, url = launch(args.model, serve_args, args.threads, api_key, startup=600)
         try:
             sync = httpx.Client(headers={"Authorization": f"Bearer {api_key}"}, timeout=600)
             served = sync.get(url + "/v1/models").json()["data"][0]["id"]

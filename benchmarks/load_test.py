@@ -173,22 +173,23 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
-def start_server(args: argparse.Namespace, api_key: str) -> tuple[subprocess.Popen, str]:
+def launch(model: str, serve_args: list[str], threads: int | None, api_key: str,
+           startup: float = 300) -> tuple[subprocess.Popen, str]:
+    """`eaglespec serve --model MODEL SERVE_ARGS` on a free loopback port, once its /health answers."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "eaglespec.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--model", args.model, "--method", args.method, "--max-queue", str(max(64, args.clients)),
-           "--timeout", str(args.server_timeout), "--log-level", "warning"]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
+           "--model", model, "--log-level", "warning", *serve_args]
+    if threads:
+        cmd += ["--threads", str(threads)]
     env = dict(os.environ, EAGLESPEC_API_KEY=api_key)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + startup
     while True:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited during start-up:\n{proc.stdout.read()}")
+            raise SystemExit(f"the server ({' '.join(serve_args)}) exited during start-up:\n{proc.stdout.read()}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url
@@ -196,8 +197,13 @@ def start_server(args: argparse.Namespace, api_key: str) -> tuple[subprocess.Pop
             pass
         if time.monotonic() > deadline:
             proc.terminate()
-            raise SystemExit("the server did not come up within 300 s")
+            raise SystemExit(f"the server did not come up within {startup:g} s")
         time.sleep(0.5)
+
+
+def start_server(args: argparse.Namespace, api_key: str) -> tuple[subprocess.Popen, str]:
+    return launch(args.model, ["--method", args.method, "--max-queue", str(max(64, args.clients)),
+                               "--timeout", str(args.server_timeout)], args.threads, api_key)
 
 
 async def run_clients(url: str, api_key: str | None, model: str, outcomes: list[Outcome], max_tokens: int,
