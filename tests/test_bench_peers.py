@@ -4,12 +4,14 @@ JSON-line protocol, the command lines, the exports and the rows are checked with
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import stat
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -249,6 +251,31 @@ def fake_python(tmp_path, monkeypatch) -> Path:
     return python
 
 
+def running_workers() -> list[int]:
+    """This process's descendants that are peer workers and still running (zombies excluded)."""
+    out = []
+    for pid in peers.process_tree(os.getpid())[1:]:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if state != "Z" and b"peer_worker.py" in command:
+            out.append(pid)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_worker_left_behind():
+    """Every test's workers end with it: a bench method that is dropped stops its process."""
+    yield
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while running_workers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert running_workers() == []
+
+
 def peer_log(python: Path, kind: str | None = None) -> list[dict]:
     path = python.parent.parent.parent / "peer-log.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
@@ -357,6 +384,11 @@ def test_vllm_peer_runs_token_ids_through_the_worker(model_dir, fake_python):
     assert method.process.log.is_file()
     method.process.close()
     assert method.process.proc.poll() == 0 and not method.process.log.exists()  # a clean exit leaves no log
+    dropped = build_peer_method("vllm", ctx)
+    proc = dropped.process.proc
+    del dropped
+    gc.collect()
+    assert proc.wait(timeout=30) == 0  # a method no longer referenced stops its worker
 
 
 def test_speculative_vllm_peers_pass_their_config_and_report_the_accepted_length(model_dir, fake_python, tmp_path):

@@ -221,6 +221,13 @@ def _end(proc: subprocess.Popen) -> None:
             proc.kill()
 
 
+def _pump(stream, lines: queue.Queue) -> None:
+    """Move the worker's output lines into `lines`; None at its end."""
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
 class PeerProcess:
     """`peer_worker.py` under a peer's python: started and loaded in the constructor, then one JSON line per
     request. Its stderr goes to a log file, named in every error."""
@@ -241,7 +248,8 @@ class PeerProcess:
         self._keep = {"log": False}  # set once an error names the log
         self._finalizer = weakref.finalize(self, _stop, self.proc, self.log, self._keep)
         self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
+        # the reader holds the pipe and the queue, not this object: dropping the method stops its worker
+        threading.Thread(target=_pump, args=(self.proc.stdout, self._lines), daemon=True).start()
         print(f"bench: loading {label} in its own process ({python})", file=sys.stderr)
         ready = self._read(load_timeout, f"loading {label}", progress)
         if ready.get("event") != "ready":
@@ -250,11 +258,6 @@ class PeerProcess:
             raise EagleSpecError(f"{label} could not load: {ready.get('error', ready)} (log: {self.log})")
         self.ready = ready
         print(f"bench: {label} loaded in {float(ready.get('load_time', 0.0)):.0f} s", file=sys.stderr)
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
 
     def _read(self, timeout: float | None, what: str, progress: bool = False) -> dict:
         """The next JSON line from the worker; an error if it exits, prints something else or takes too long."""
