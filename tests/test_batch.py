@@ -308,6 +308,28 @@ def test_add_rejects_duplicates_and_requests_beyond_the_context():
         TargetPool(engine.target, 0)
 
 
+def test_a_failed_prefill_gives_its_slot_back(monkeypatch):
+    """A prefill that raises (out of memory, say) leaves no slot taken: the server fails that request and goes on
+    with every slot."""
+    model = make_cpu_model("llama", max_position_embeddings=64)
+    engine = Engine.from_model(model, TinyTokenizer(), method="vanilla", backend="hf")
+    batch = engine.batch_decoder(max_batch=2)
+    batch.add("bad", [1, 2, 3], max_new_tokens=4)
+
+    def fail(*args, **kwargs):
+        raise MemoryError("no room for the prompt")
+
+    for target in batch.pool.targets:
+        monkeypatch.setattr(target, "forward", fail)
+    with pytest.raises(MemoryError):
+        batch.step()
+    assert batch.pool.in_use == 0 and not batch.busy
+    monkeypatch.undo()
+    batch.add("good", [1, 2, 3], max_new_tokens=4)
+    tokens = [t for key, e in batch.run() if isinstance(e, Step) for t in e.tokens]
+    assert tokens == engine.generate([1, 2, 3], max_new_tokens=4).tokens and batch.pool.in_use == 0
+
+
 @pytest.mark.parametrize("dtype,backend", [pytest.param(torch.bfloat16, "auto", marks=needs_kernels),
                                            (torch.float32, "hf")], ids=["kernels", "slot-by-slot"])
 def test_greedy_and_sampled_sequences_in_one_step(dtype, backend, monkeypatch):

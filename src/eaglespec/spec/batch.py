@@ -154,8 +154,12 @@ class BatchDecoder:
                        self.sample_verifier)
         target = self.pool[slot]
         t0 = time.perf_counter()
-        out = target.forward(torch.tensor(prompt_ids), logits_rows=slice(-1, None), greedy=sampling.greedy)
-        target.commit()
+        try:
+            out = target.forward(torch.tensor(prompt_ids), logits_rows=slice(-1, None), greedy=sampling.greedy)
+            target.commit()
+        except BaseException:  # (re-raised) the request is gone from the queue: its slot must not stay taken
+            self.pool.release(slot)
+            raise
         seq.start(out, time.perf_counter() - t0)
         entry = _Active(key, slot, seq, drafter, t0)
         report.prefills += 1
