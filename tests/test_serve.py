@@ -163,8 +163,10 @@ def live(tokenizer, request):
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-at-a-time", "batched"])
 def slow(tokenizer, request):
-    """A random-head engine (tau ~ 1, about one token per step) and a queue of one."""
-    server = LiveServer(tiny_engine(tokenizer, seed=1, agreeable=False), max_queue=1, max_batch=request.param)
+    """A random-head engine (tau ~ 1, about one token per step) and a queue of one. Both workers draft at every step
+    (the batched one too: "always"), so a generation takes as long on either and clients can leave mid-way."""
+    server = LiveServer(tiny_engine(tokenizer, seed=1, agreeable=False), max_queue=1, max_batch=request.param,
+                        speculate="always")
     yield server
     server.close()
 
