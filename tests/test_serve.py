@@ -556,12 +556,12 @@ def test_batched_requests_share_steps(tokenizer):
     server = LiveServer(tiny_engine(tokenizer), max_batch=4, speculate="auto")
     try:
         prompts = [f"Tale {i}:" for i in range(6)]
-        expected = {p: server.engine.generate(p, max_new_tokens=32, chat=False) for p in prompts}
+        expected = {p: server.engine.generate(p, max_new_tokens=96, chat=False) for p in prompts}
         before = server.metrics()
         answers: dict[str, str] = {}
 
         def run(prompt: str) -> None:
-            r = server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=32)
+            r = server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=96)
             answers[prompt] = r.choices[0].text
 
         threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
