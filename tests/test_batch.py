@@ -22,6 +22,7 @@ from eaglespec.spec.decode import Finished, SpecDecoder, Step
 from eaglespec.spec.load import LoadPolicy
 from eaglespec.spec.tree import DraftTree
 from eaglespec.spec.verify import SamplingParams, target_probs, verify_sample
+from eaglespec.targets import fast as fast_module
 from eaglespec.targets import pool as pool_module
 from eaglespec.targets.fast import FastTarget
 from eaglespec.targets.hf import TargetModel
@@ -40,16 +41,18 @@ TREE = TreeSettings(total_tokens=10, depth=4, top_k=3)
 
 
 class ForwardSpy:
-    """Records, for each batched forward of a pool, the rows of each slot's step, and counts the forwards that ran
-    several slots' rows together."""
+    """Records, for each batched forward of a pool, the rows of each slot's decode step (`calls`) and of each prompt
+    piece (`pieces`: steps with `logits_rows`), and counts the forwards that ran several slots' rows together."""
 
     def __init__(self, pool: TargetPool, monkeypatch):
         self.calls: list[list[int]] = []
+        self.pieces: list[list[int]] = []
         self.together = 0
         forward, together = pool.forward, pool_module._forward_together
 
         def spied_forward(steps, greedy=False):
-            self.calls.append([len(s[1]) for s in steps])
+            self.calls.append([len(s[1]) for s in steps if len(s) < 5])
+            self.pieces.append([len(s[1]) for s in steps if len(s) == 5])
             return forward(steps, greedy=greedy)
 
         def spied_together(targets, steps, greedy):
@@ -63,6 +66,11 @@ class ForwardSpy:
     def ragged(self) -> int:
         """Forwards whose slots verified trees of different sizes."""
         return sum(len(set(c)) > 1 for c in self.calls)
+
+    @property
+    def mixed(self) -> int:
+        """Forwards that read a prompt piece beside other slots' decode steps."""
+        return sum(bool(c) and bool(p) for c, p in zip(self.calls, self.pieces))
 
 
 def drain(batch: BatchDecoder, steps=None, streamed=None) -> tuple[dict, dict]:
@@ -99,12 +107,12 @@ def batch_one(engine: Engine, prompts=PROMPTS, news=NEW_TOKENS) -> dict[int, lis
     return {i: engine.generate(p, max_new_tokens=n).tokens for i, (p, n) in enumerate(zip(prompts, news))}
 
 
-def check_batched_equals_batch_one(engine: Engine, monkeypatch, slots: int = 3):
+def check_batched_equals_batch_one(engine: Engine, monkeypatch, slots: int = 3, prefill_chunk: int = 2):
     """Every `speculate` mode, more prompts than slots: each sequence's tokens equal batch-1 decoding's."""
     expected = batch_one(engine)
     spies = {}
     for speculate in ("always", "never", "auto"):
-        batch = engine.batch_decoder(max_batch=slots, speculate=speculate)
+        batch = engine.batch_decoder(max_batch=slots, speculate=speculate, prefill_chunk=prefill_chunk)
         spies[speculate] = spy = ForwardSpy(batch.pool, monkeypatch)
         for i, (prompt, n) in enumerate(zip(PROMPTS, NEW_TOKENS)):
             batch.add(i, prompt, max_new_tokens=n)
@@ -113,7 +121,12 @@ def check_batched_equals_batch_one(engine: Engine, monkeypatch, slots: int = 3):
         assert sorted(batch.pool.free) == list(range(slots)) and batch.pool.in_use == 0
         assert max(len(c) for c in spy.calls) == slots  # the batch was full at times
         if speculate == "never" or engine.method == "vanilla":
-            assert all(set(c) == {1} for c in spy.calls)
+            assert all(set(c) <= {1} for c in spy.calls)
+        for calls, pieces in zip(spy.calls, spy.pieces):  # prompts beside decoding sequences: pieces, or whole
+            if calls and batch.chunked:
+                assert sum(pieces) <= prefill_chunk
+            elif calls:
+                assert len(pieces) <= 1
     return spies
 
 
@@ -130,7 +143,8 @@ def test_batched_greedy_equals_batch_one_on_the_kernels(method, arch, head_kind,
     assert TargetPool(engine.target, 2).together
     spies = check_batched_equals_batch_one(engine, monkeypatch)
     for spy in spies.values():  # several slots' rows through each layer at once, whenever several slots ran
-        assert spy.together == sum(len(c) > 1 for c in spy.calls) > 0
+        assert spy.together == sum(len(c) + len(p) > 1 for c, p in zip(spy.calls, spy.pieces)) > 0
+        assert spy.mixed > 0  # prompts read in pieces beside the other sequences' steps
     if method == "pld":
         assert spies["always"].ragged > 0  # chains of different lengths in one forward
 
@@ -259,6 +273,45 @@ def test_oracle_trees_of_every_size_join_leave_and_cancel(dtype, backend, specul
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", ["final", "eagle3"])
+def test_a_prompt_read_in_pieces_leaves_the_bits_of_one_call(kind, monkeypatch):
+    """On the kernels a prompt row's bits do not depend on how the prompt was cut: pieces of any size (the batch's
+    chunked prefill) and FastTarget's own MAX_STEP_ROWS pieces leave the cache, the features and the next token of
+    one call."""
+    model = make_cpu_model("qwen2").to(torch.bfloat16)
+    target = Engine.from_model(model, TinyTokenizer(), method="vanilla").target.sibling()
+    target.feature_kind = kind
+    prompt = torch.tensor(PROMPTS[2] + PROMPTS[0])  # 20 rows
+
+    def read(cuts: list[int]) -> tuple:
+        target.reset()
+        features = []
+        for start, end in zip([0, *cuts], [*cuts, prompt.numel()]):
+            out = target.forward(prompt[start:end], logits_rows=slice(-1, None), greedy=True)
+            target.commit()
+            features.append(out.features)
+        n = prompt.numel()
+        return (out.greedy(), torch.cat(features), [k[..., :n].clone() for k in target.layer_keys],
+                [v[:, :n].clone() for v in target.layer_values])
+
+    def same(a: tuple, b: tuple) -> bool:
+        return a[0] == b[0] and torch.equal(a[1], b[1]) and all(
+            torch.equal(x, y) for x, y in zip(a[2] + a[3], b[2] + b[3]))
+
+    attended_from = []  # the cached rows of each kernel attention call (0: a prompt's first rows)
+    attend = target.kernels.attend_tree
+    monkeypatch.setattr(target.kernels, "attend_tree", lambda *a, **k: attended_from.append(k["c"]) or attend(*a, **k))
+    whole = read([])
+    assert target.tree_kernel and whole[1].shape[0] == prompt.numel() and set(attended_from) == {0}
+    assert same(read([1, 2, 9]), whole) and same(read([7, 14]), whole)
+    monkeypatch.setattr(fast_module, "MAX_STEP_ROWS", 6)  # one call, cut by the target itself
+    calls = []
+    forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    assert same(read([]), whole) and len(calls) == 1 + 4  # the call, and its four pieces
+
+
+@needs_kernels
 def test_cancel_in_the_middle_of_a_run_stops_the_stream():
     """Cancelling a running request while iterating `run` (between the events of one step) emits nothing more of
     it, and its slot is free at once."""
@@ -271,8 +324,8 @@ def test_cancel_in_the_middle_of_a_run_stops_the_stream():
     cancelled_at = None
     for key, event in batch.run():
         seen.setdefault(key, []).append(event)
-        if cancelled_at is None and key == 0 and len(batch.active) == 3:
-            cancelled_at = len(seen.get(1, []))
+        if cancelled_at is None and key == 0 and 1 in seen and len(batch.active) == 3:
+            cancelled_at = len(seen[1])
             assert batch.cancel(1)
             assert batch.pool.in_use == 2
     assert cancelled_at is not None and len(seen[1]) == cancelled_at  # nothing of 1 after its cancel
@@ -391,7 +444,7 @@ class RememberingWorstFirst(WorstFirstDrafter):
 
 def batched_samples(model, engine, verifier, runs: int, slots: int = 16) -> list[tuple[int, ...]]:
     batch = BatchDecoder(TargetPool(engine.target, slots), TinyTokenizer(), RememberingWorstFirst(model), [],
-                         speculate="always", prefills_per_step=slots, sample_verifier=verifier)
+                         speculate="always", sample_verifier=verifier)
     for seed in range(runs):
         batch.add(seed, SAMPLING_PROMPT, max_new_tokens=3, sampling=SamplingParams(PARAMS.temperature, PARAMS.top_p,
                                                                                    PARAMS.top_k, seed=seed))
@@ -453,7 +506,8 @@ def test_real_model_generate_batch_equals_generate():
     torch.set_num_threads(2)
     try:
         engine = Engine()  # every setting at its default: the shipped head, the machine's dtype and tree
-        batch = engine.generate_batch(REAL_PROMPTS, max_new_tokens=REAL_NEW_TOKENS, max_batch=3)
+        # the fourth prompt is read in pieces beside the others' steps
+        batch = engine.generate_batch(REAL_PROMPTS, max_new_tokens=REAL_NEW_TOKENS, max_batch=3, prefill_chunk=8)
         single = [engine.generate(p, max_new_tokens=REAL_NEW_TOKENS) for p in REAL_PROMPTS]
     finally:
         torch.set_num_threads(before)

@@ -24,7 +24,7 @@ from .heads import DraftHead, check_head_fits, load_head
 from .models import DEFAULT_MODEL, load_target, shipped_head_dir
 from .platform import parse_device, parse_dtype
 from .spec.adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
-from .spec.batch import BatchDecoder
+from .spec.batch import PREFILL_CHUNK, BatchDecoder
 from .spec.decode import Finished, GenerationStats, SpecDecoder, Step
 from .spec.verify import SamplingParams
 from .targets.fast import make_target
@@ -233,20 +233,23 @@ class Engine:
                 return GenerationResult(item.text, item.tokens, item.stats, self.method)
         raise RuntimeError("the decoding loop ended without a result")
 
-    def batch_decoder(self, max_batch: int = DEFAULT_MAX_BATCH, speculate: str = "auto") -> BatchDecoder:
+    def batch_decoder(self, max_batch: int = DEFAULT_MAX_BATCH, speculate: str = "auto",
+                      prefill_chunk: int = PREFILL_CHUNK) -> BatchDecoder:
         """A continuous-batching decoder over this engine's model and drafting method (eaglespec.spec.batch): up to
         `max_batch` sequences decode together, each with its own draft tree or none (`speculate`: "auto" drafts
-        where the measured costs say it pays at the current batch width, "always", "never"). Its KV-cache slots
-        are allocated now; the weights are shared with this engine."""
+        where the measured costs say it pays at the current batch width, "always", "never"); new prompts are read
+        `prefill_chunk` rows a step beside the running sequences. Its KV-cache slots are allocated now; the
+        weights are shared with this engine."""
         drafter = getattr(self.drafter, "inner", self.drafter)  # (the batch decides per step, not the adaptive policy)
         pool = TargetPool(self.target, max_batch)
-        return BatchDecoder(pool, self.tokenizer, drafter, sorted(self.decoder.eos), speculate=speculate)
+        return BatchDecoder(pool, self.tokenizer, drafter, sorted(self.decoder.eos), speculate=speculate,
+                            prefill_chunk=prefill_chunk)
 
     def generate_batch(self, prompts: list[Prompt | list[int]], max_new_tokens: int = 256, temperature: float = 0.0,
                        top_p: float = 1.0, top_k: int = 0, seed: int | list[int | None] | None = None,
                        stop: list[str] | None = None, chat: bool | None = None, system: str | None = None,
                        max_batch: int = DEFAULT_MAX_BATCH, speculate: str = "auto",
-                       progress: bool = False) -> list[GenerationResult]:
+                       prefill_chunk: int = PREFILL_CHUNK, progress: bool = False) -> list[GenerationResult]:
         """Generate for many prompts at once through a batch decoder (continuous batching: a finished prompt's slot
         goes to the next); results in the order of `prompts`. `seed`: one for all, or one per prompt (each
         sequence samples with its own generator). Greedy results equal `generate`'s for each prompt (see
@@ -254,7 +257,7 @@ class Engine:
         seeds = seed if isinstance(seed, list) else [seed] * len(prompts)
         if len(seeds) != len(prompts):
             raise EagleSpecError(f"got {len(seeds)} seeds for {len(prompts)} prompts: give one seed or one per prompt")
-        batch = self.batch_decoder(min(max_batch, max(len(prompts), 1)), speculate)
+        batch = self.batch_decoder(min(max_batch, max(len(prompts), 1)), speculate, prefill_chunk)
         for i, (prompt, s) in enumerate(zip(prompts, seeds)):
             ids = prompt if _is_token_list(prompt) else self.encode(prompt, chat=chat, system=system)
             sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=s)

@@ -29,6 +29,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import EagleSpecError
+from ..spec.batch import PREFILL_CHUNK
 from ..spec.decode import Step
 from ..spec.verify import SamplingParams
 from .batch_worker import BatchWorker
@@ -56,6 +57,7 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     max_batch: int = 1  # requests decoded together (batch_worker.py); 1: one at a time (worker.py)
     speculate: str = "auto"  # with max_batch > 1: "auto" (load-aware), "always" or "never"
+    prefill_chunk: int = PREFILL_CHUNK  # with max_batch > 1: prompt rows a step reads while others decode
 
 
 class Server:
@@ -67,7 +69,8 @@ class Server:
         self.metrics = ServerMetrics(config.model_name)
         if config.max_batch > 1:
             self.worker = BatchWorker(engine, self.metrics, max_queue=config.max_queue, timeout=config.timeout,
-                                      max_batch=config.max_batch, speculate=config.speculate)
+                                      max_batch=config.max_batch, speculate=config.speculate,
+                                      prefill_chunk=config.prefill_chunk)
         else:
             self.worker = GenerationWorker(engine, self.metrics, max_queue=config.max_queue, timeout=config.timeout)
         self.created = int(time.time())

@@ -14,37 +14,33 @@ import itertools
 import logging
 import queue
 import time
-from dataclasses import dataclass
 
 from ..errors import EagleSpecError
+from ..spec.batch import PREFILL_CHUNK
 from ..spec.decode import Finished
 from ..spec.verify import SamplingParams
 from .metrics import ServerMetrics
 from .schemas import APIError
-from .worker import Cancelled, Done, GenerationWorker, Job, _timeout_error
+from .worker import Progress, Worker, must_stop
 
 log = logging.getLogger("eaglespec.serve")
 
 
-@dataclass
-class _Running:
-    job: Job
-    first_token_at: float | None = None
-    draft_tokens: int = 0
-    prefilled: bool = False
-
-
-class BatchWorker(GenerationWorker):
-    """`GenerationWorker`'s interface over a batch decoder of `max_batch` sequences (`speculate`: see
+class BatchWorker(Worker):
+    """The sequential worker's interface (worker.py) over a batch decoder of `max_batch` sequences (`speculate`: see
     `Engine.batch_decoder`)."""
 
     def __init__(self, engine, metrics: ServerMetrics, max_queue: int = 64, timeout: float = 300.0,
-                 max_batch: int = 8, speculate: str = "auto"):
+                 max_batch: int = 8, speculate: str = "auto", prefill_chunk: int = PREFILL_CHUNK):
         super().__init__(engine, metrics, max_queue=max_queue, timeout=timeout)
         self.max_batch = max_batch
-        self.batch = engine.batch_decoder(max_batch, speculate)
-        self.jobs: dict[int, _Running] = {}
+        self.batch = engine.batch_decoder(max_batch, speculate, prefill_chunk)
+        self.jobs: dict[int, Progress] = {}  # the batch's requests by key
         self._ids = itertools.count()
+
+    @property
+    def running(self) -> int:
+        return len(getattr(self, "jobs", ()))  # (gauges are set before the constructor ends)
 
     # ---- the thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -71,12 +67,7 @@ class BatchWorker(GenerationWorker):
             except queue.Empty:
                 return
             now = time.monotonic()
-            if job.cancelled:
-                self.metrics.cancelled()
-                job.emit(Cancelled())
-                continue
-            if now > job.deadline:
-                job.emit(_timeout_error(job))
+            if must_stop(job, self.metrics, now):
                 continue
             p = job.params
             key = next(self._ids)
@@ -88,19 +79,14 @@ class BatchWorker(GenerationWorker):
                 job.emit(APIError(400, str(exc)))
                 continue
             self.metrics.started(now - job.arrival, len(p.prompt_ids))
-            self.jobs[key] = _Running(job)
+            self.jobs[key] = Progress(job, self.metrics)
             self._update_gauges()
 
     def _stop_finished_jobs(self) -> None:
         """Stop the jobs whose client left or whose deadline passed; their slots free at once."""
         now = time.monotonic()
         for key, run in list(self.jobs.items()):
-            if run.job.cancelled:
-                self.metrics.cancelled()
-                run.job.emit(Cancelled())
-            elif now > run.job.deadline:
-                run.job.emit(_timeout_error(run.job))
-            else:
+            if not must_stop(run.job, self.metrics, now):
                 continue
             self.batch.cancel(key)
             del self.jobs[key]
@@ -121,18 +107,10 @@ class BatchWorker(GenerationWorker):
             if run is None:
                 continue
             if isinstance(item, Finished):
-                self.metrics.completed(item.stats, now - run.job.arrival, run.first_token_at)
-                run.job.emit(Done(item, run.draft_tokens))
+                run.finished(item, now)
                 del self.jobs[key]
-                continue
-            self.metrics.step(item, not run.prefilled)
-            if run.prefilled:
-                run.draft_tokens += item.tree_size - 1
-            run.prefilled = True
-            if run.first_token_at is None and item.tokens:
-                run.first_token_at = now - run.job.arrival
-                self.metrics.first_token(run.first_token_at)
-            run.job.emit(item)
+            else:
+                run.step(item, now)
         self._update_gauges()
 
     def _fail_all(self, error: APIError) -> None:
@@ -142,7 +120,3 @@ class BatchWorker(GenerationWorker):
             self.batch.cancel(key)
         self.jobs.clear()
         self._update_gauges()
-
-    def _update_gauges(self) -> None:
-        self._running = len(getattr(self, "jobs", ()))
-        self.metrics.queue_sizes(self._queue.qsize(), self._running)

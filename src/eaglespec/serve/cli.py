@@ -60,6 +60,10 @@ def register(subparsers, model_options: Callable, sampling_options: Callable) ->
                    help="with --max-batch above 1: which sequences draft each step; auto drafts where the measured "
                         "cost of rows at the current batch width and each sequence's acceptance say it pays "
                         "(default: auto)")
+    g.add_argument("--prefill-chunk", type=positive_int, default=None,
+                   help="with --max-batch above 1: prompt rows a step reads while other requests decode (a new "
+                        "request's prompt is read in pieces beside their steps; larger: sooner first tokens for new "
+                        "requests, longer pauses for running ones; default: 32)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -79,6 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from ..api import default_max_batch
     from ..cli import build_engine
+    from ..spec.batch import PREFILL_CHUNK
     from .app import ServerConfig, create_app
 
     api_key = args.api_key if args.api_key is not None else envs.api_key()
@@ -89,7 +94,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     max_batch = args.max_batch or default_max_batch(engine.target.device)
     config = ServerConfig(model_name=args.served_model_name or args.model, api_key=api_key,
                           max_queue=args.max_queue, timeout=args.timeout, max_tokens_limit=args.max_tokens_limit,
-                          max_batch=max_batch, speculate=args.speculate)
+                          max_batch=max_batch, speculate=args.speculate,
+                          prefill_chunk=args.prefill_chunk or PREFILL_CHUNK)
     prometheus_client.disable_created_metrics()  # no `*_created` series (as vLLM): this process is the server
     app = create_app(engine, config)
     print(f"eaglespec: serving '{config.model_name}' (method {engine.method}, batches of up to {max_batch}) on "

@@ -19,6 +19,7 @@ Batched decoding (`--max-batch` above 1), per batched step:
   eaglespec:batch_sequences_drafted_total         sequences that verified a draft tree in a step
   eaglespec:batch_sequences_plain_total           sequences that decoded one token without a draft in a step
   eaglespec:batch_rows_total                      rows the target verified in batched steps
+  eaglespec:batch_prefill_rows_total              prompt rows read in batched steps (chunked prefill)
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class ServerMetrics:
         self.batch_drafted = counter("batch_sequences_drafted", "Sequences that verified a draft tree in a step")
         self.batch_plain = counter("batch_sequences_plain", "Sequences that decoded without a draft in a step")
         self.batch_rows = counter("batch_rows", "Rows the target verified in batched steps")
+        self.batch_prefill_rows = counter("batch_prefill_rows", "Prompt rows read in batched steps (chunked prefill)")
         self._lock = threading.Lock()
         self._emitted = 0  # tokens emitted by verify forwards, for tau
         self._forwards = 0
@@ -148,6 +150,7 @@ class ServerMetrics:
         self._m(self.batch_drafted).inc(report.drafted)
         self._m(self.batch_plain).inc(report.sequences - report.drafted)
         self._m(self.batch_rows).inc(report.rows)
+        self._m(self.batch_prefill_rows).inc(report.prefill_rows)
 
     def started(self, queue_time: float, prompt_tokens: int) -> None:
         self._m(self.queue_time).observe(queue_time)

@@ -1,11 +1,12 @@
-"""The generation worker: one thread that owns the engine, fed by a bounded FIFO queue.
+"""The generation workers' common part (`Worker`: one thread that owns the engine, fed by a bounded FIFO queue) and
+the sequential worker (`GenerationWorker`); the batched one is batch_worker.py.
 
-The engine decodes one sequence at a time and is not thread-safe, so every generation runs on this thread, in
-arrival order. The HTTP side submits a `Job` and reads its events (`Step`s, then `Done`, `Cancelled` or an
-`APIError`) from an asyncio queue that the worker fills thread-safely. Between two target forwards the worker
+The engine is not thread-safe, so every generation runs on the worker's thread. The HTTP side submits a `Job` and
+reads its events (`Step`s, then `Done`, `Cancelled` or an `APIError`) from an asyncio queue that the worker fills
+thread-safely. The sequential worker runs one sequence at a time, in arrival order; between two target forwards it
 checks whether the job was cancelled (client gone), ran past its deadline, or the server is stopping; it then
-closes the engine's stream and resets the target and draft caches, so an abandoned request frees its memory
-and the next one starts at once. Nothing a request does can stop this thread: every failure becomes an event.
+closes the engine's stream and resets the target and draft caches, so an abandoned request frees its memory and
+the next one starts at once. Nothing a request does can stop the thread: every failure becomes an event.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
@@ -85,8 +87,45 @@ class Job:
             self.cancel()
 
 
-class GenerationWorker:
-    """Runs queued jobs one at a time on a dedicated thread."""
+class Progress:
+    """What the server reports of one job as its generation's events arrive: step metrics, the time to its first
+    token, the drafted tokens the target verified (its `usage`), and the events themselves."""
+
+    def __init__(self, job: Job, metrics: ServerMetrics):
+        self.job, self.metrics = job, metrics
+        self.first_token_at: float | None = None
+        self.draft_tokens = 0
+        self.prefilled = False
+
+    def step(self, item: Step, now: float) -> None:
+        self.metrics.step(item, not self.prefilled)
+        if self.prefilled:
+            self.draft_tokens += item.tree_size - 1
+        self.prefilled = True
+        if self.first_token_at is None and item.tokens:
+            self.first_token_at = now - self.job.arrival
+            self.metrics.first_token(self.first_token_at)
+        self.job.emit(item)
+
+    def finished(self, item: Finished, now: float) -> None:
+        self.metrics.completed(item.stats, now - self.job.arrival, self.first_token_at)
+        self.job.emit(Done(item, self.draft_tokens))
+
+
+def must_stop(job: Job, metrics: ServerMetrics, now: float) -> bool:
+    """Whether `job` must stop now (its client went away, or its deadline passed); if so it has its last event."""
+    if job.cancelled:
+        metrics.cancelled()
+        job.emit(Cancelled())
+    elif now > job.deadline:
+        job.emit(_timeout_error(job))
+    else:
+        return False
+    return True
+
+
+class Worker(ABC):
+    """A bounded FIFO queue of jobs and the thread that runs them (`_run`)."""
 
     def __init__(self, engine, metrics: ServerMetrics, max_queue: int = 64, timeout: float = 300.0):
         if max_queue < 1:
@@ -99,6 +138,10 @@ class GenerationWorker:
         self._stopping = threading.Event()
         self._running = 0
         self._thread = threading.Thread(target=self._run, name="eaglespec-generation", daemon=True)
+
+    @abstractmethod
+    def _run(self) -> None:
+        """The thread: take jobs, generate, until `_stopping` is set; never raise."""
 
     # ---- control -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -136,7 +179,22 @@ class GenerationWorker:
         self._update_gauges()
         return job
 
-    # ---- the thread --------------------------------------------------------------------------------------
+    def _fail_waiting(self) -> None:
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            job.emit(APIError(503, "The server is shutting down.", type="server_error", code="unavailable"))
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        self.metrics.queue_sizes(self._queue.qsize(), self.running)
+
+
+class GenerationWorker(Worker):
+    """Runs queued jobs one at a time on a dedicated thread."""
+
     def _run(self) -> None:
         while not self._stopping.is_set():
             try:
@@ -150,13 +208,8 @@ class GenerationWorker:
                 log.exception("unexpected failure in the generation worker")
 
     def _process(self, job: Job) -> None:
-        if job.cancelled:
-            self.metrics.cancelled()
-            job.emit(Cancelled())
-            return
         started = time.monotonic()
-        if started > job.deadline:
-            job.emit(_timeout_error(job))
+        if must_stop(job, self.metrics, started):
             return
         p = job.params
         self.metrics.started(started - job.arrival, len(p.prompt_ids))
@@ -184,46 +237,19 @@ class GenerationWorker:
             self._update_gauges()
 
     def _drive(self, job: Job, stream) -> None:
-        first_token_at: float | None = None
-        draft_tokens = 0
-        is_prefill = True
+        progress = Progress(job, self.metrics)
         for item in stream:
             now = time.monotonic()
             if isinstance(item, Finished):
-                self.metrics.completed(item.stats, now - job.arrival, first_token_at)
-                job.emit(Done(item, draft_tokens))
+                progress.finished(item, now)
                 return
-            self.metrics.step(item, is_prefill)
-            if not is_prefill:
-                draft_tokens += item.tree_size - 1
-            is_prefill = False
-            if first_token_at is None and item.tokens:
-                first_token_at = now - job.arrival
-                self.metrics.first_token(first_token_at)
-            job.emit(item)
-            if job.cancelled:
-                self.metrics.cancelled()
-                job.emit(Cancelled())
-                return
-            if now > job.deadline:
-                job.emit(_timeout_error(job))
+            progress.step(item, now)
+            if must_stop(job, self.metrics, now):
                 return
             if self._stopping.is_set():
                 job.emit(APIError(503, "The server is shutting down.", type="server_error", code="unavailable"))
                 return
         raise RuntimeError("the engine's stream ended without a result")
-
-    def _fail_waiting(self) -> None:
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            job.emit(APIError(503, "The server is shutting down.", type="server_error", code="unavailable"))
-        self._update_gauges()
-
-    def _update_gauges(self) -> None:
-        self.metrics.queue_sizes(self._queue.qsize(), self._running)
 
 
 def _timeout_error(job: Job) -> APIError:

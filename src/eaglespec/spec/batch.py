@@ -3,9 +3,11 @@ verified together in one target forward per step.
 
 A step of `BatchDecoder`:
 1. admission: waiting requests take free slots of the target's pool (`targets.pool.TargetPool`: one KV cache per
-   slot, shared weights); each new request's prompt is prefilled alone, as batch-1 decoding does it (at most
-   `prefills_per_step` a step, so a long prompt stalls the running sequences for one prefill at most), and emits
-   its first token;
+   slot, shared weights). Their prompts are read in pieces of at most `prefill_chunk` rows a step in all, riding in
+   the step's forward beside the running sequences' trees (chunked prefill), so a long prompt never stalls the
+   others for more than a piece; where the pool cannot cut a prompt without changing its bits
+   (`pool.chunked_prefill`), prompts are read whole, at least one a step. When nothing else runs, prompts are read
+   whole. A request emits its first token in the step that reads the last of its prompt;
 2. planning: `spec.load.LoadPolicy` chooses which sequences draft this step, from the measured cost of rows at the
    current batch width and each sequence's recent acceptance (with `speculate="always"` all draft, "never" none);
 3. drafting: each drafting sequence's own drafter grows its tree (its own state: a fork of the engine's drafter),
@@ -16,6 +18,9 @@ A step of `BatchDecoder`:
    slot commits those rows.
 Finished sequences (EOS, stop string, length) and cancelled ones give their slot back at once; waiting requests
 join at the next step.
+
+A prompt row gets the same bits whether its prompt was read whole or in pieces (targets.fast: the kernels' attention
+is row-invariant for prompts too), so chunking changes no token.
 
 Every sequence is decoded by the same `Sequence` state machine as `SpecDecoder` (spec/decode.py), so its tokens are
 exactly those of batch-1 decoding wherever the batched forward gives each row the bits of its batch-1 step (the
@@ -33,6 +38,7 @@ import torch
 
 from ..drafters import Drafter, VanillaDrafter
 from ..errors import EagleSpecError
+from ..targets.hf import TargetOutput
 from .adaptive import DRAFT, PLAIN, AdaptiveDrafter
 from .decode import Finished, Sequence, Step, check_request
 from .load import LoadPolicy
@@ -40,6 +46,8 @@ from .tree import DraftTree
 from .verify import SamplingParams, verify_sample
 
 SPECULATE = ("auto", "always", "never")
+PREFILL_CHUNK = 32  # prompt rows a step reads while other sequences decode (their step grows by about that many rows)
+WHOLE_PROMPT_ROWS = 512  # prompt rows a step reads when nothing decodes (a bound on one call's square-sized masks)
 
 
 class _Directed:
@@ -64,13 +72,17 @@ class StepReport:
     drafted: int = 0  # of them, those that drafted a tree
     rows: int = 0  # rows the target verified
     tokens: int = 0  # tokens emitted (prefills' first tokens included)
-    prefills: int = 0  # requests admitted
+    prefills: int = 0  # requests whose prompt was read to its end (each emitted its first token)
+    prefill_rows: int = 0  # prompt rows the forward read
     seconds: float = 0.0
 
 
 class _Active:
     def __init__(self, key: Hashable, slot: int, seq: Sequence, drafter: AdaptiveDrafter, started: float):
         self.key, self.slot, self.seq, self.drafter, self.started = key, slot, seq, drafter, started
+        self.prompt = torch.tensor(seq.prompt_ids)  # [P]
+        self.read = 0  # prompt rows in the slot's cache
+        self.features: list[torch.Tensor] = []  # the target features of those rows, piece by piece (EAGLE heads)
 
 
 class BatchDecoder:
@@ -78,23 +90,26 @@ class BatchDecoder:
     (or `run`), stop one with `cancel`."""
 
     def __init__(self, pool, tokenizer, drafter: Drafter, eos_token_ids: list[int], speculate: str = "auto",
-                 prefills_per_step: int = 1, sample_verifier=verify_sample, policy: LoadPolicy | None = None):
-        """`pool`: a `targets.pool.TargetPool` (acquire, release, forward, pool[slot]). `drafter`: the engine's
-        drafter (not an adaptive wrapper); each slot drafts with its own fork of it."""
+                 prefill_chunk: int = PREFILL_CHUNK, sample_verifier=verify_sample, policy: LoadPolicy | None = None):
+        """`pool`: a `targets.pool.TargetPool` (acquire, release, forward, pool[slot], chunked_prefill).
+        `drafter`: the engine's drafter (not an adaptive wrapper); each slot drafts with its own fork of it.
+        `prefill_chunk`: prompt rows a step reads, in all, while other sequences decode (module docstring)."""
         if speculate not in SPECULATE:
             raise EagleSpecError(f"speculate must be one of {', '.join(SPECULATE)}, got {speculate!r}")
-        if prefills_per_step < 1:
-            raise EagleSpecError(f"prefills_per_step must be at least 1, got {prefills_per_step}")
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise EagleSpecError(f"prefill_chunk must be a positive number of prompt rows, got {prefill_chunk!r}")
         self.pool, self.tokenizer, self.eos = pool, tokenizer, set(eos_token_ids)
         self.speculate = "never" if isinstance(drafter, VanillaDrafter) else speculate
-        self.prefills_per_step, self.sample_verifier = prefills_per_step, sample_verifier
+        self.prefill_chunk, self.sample_verifier = prefill_chunk, sample_verifier
+        self.chunked = bool(getattr(pool, "chunked_prefill", False))
         settings = getattr(drafter, "settings", None)
         tree_rows = (settings.total_tokens - 1) if settings is not None else 1
         self.policy = policy or LoadPolicy(tree_rows=tree_rows)
         # one drafter per slot, gated by the batch's plan each step
         self.drafters = [AdaptiveDrafter(drafter.fork(), _Directed()) for _ in range(pool.size)]
         self.waiting: OrderedDict[Hashable, tuple] = OrderedDict()
-        self.active: OrderedDict[Hashable, _Active] = OrderedDict()
+        self.prefilling: OrderedDict[Hashable, _Active] = OrderedDict()  # holding a slot, their prompts being read
+        self.active: OrderedDict[Hashable, _Active] = OrderedDict()  # decoding
         self.cancelled: set = set()  # requests cancelled since the last step began (`run` drops their events)
         self.last_report = StepReport()
 
@@ -102,7 +117,7 @@ class BatchDecoder:
     def add(self, key: Hashable, prompt_ids: list[int], max_new_tokens: int = 256,
             sampling: SamplingParams | None = None, stop: list[str] | None = None) -> None:
         """Queue a request under `key` (unique among those not finished); it joins the batch when a slot frees."""
-        if key in self.waiting or key in self.active:
+        if key in self.waiting or key in self.prefilling or key in self.active:
             raise EagleSpecError(f"request {key!r} is already in the batch")
         check_request(len(prompt_ids), max_new_tokens, self.pool[0].max_context)
         self.waiting[key] = (list(prompt_ids), max_new_tokens, sampling or SamplingParams(), stop, time.perf_counter())
@@ -111,7 +126,7 @@ class BatchDecoder:
         """Drop a waiting or running request; its slot is free at once. False when it is unknown (or finished)."""
         if self.waiting.pop(key, None) is not None:
             return True
-        entry = self.active.pop(key, None)
+        entry = self.active.pop(key, None) or self.prefilling.pop(key, None)
         if entry is None:
             return False
         self._free(entry)
@@ -121,7 +136,7 @@ class BatchDecoder:
     @property
     def busy(self) -> bool:
         """Whether anything is waiting or running."""
-        return bool(self.waiting or self.active)
+        return bool(self.waiting or self.prefilling or self.active)
 
     def _free(self, entry: _Active) -> None:
         entry.drafter.reset()  # (a draft model's cache rows too)
@@ -137,35 +152,55 @@ class BatchDecoder:
         self.cancelled.clear()
         events: list[tuple[Hashable, Step | Finished]] = []
         report = StepReport()
-        while self.waiting and self.pool.free and report.prefills < self.prefills_per_step:
-            self._admit(events, report)
-        if self.active:
+        while self.waiting and self.pool.free:
+            self._admit()
+        if self.active or self.prefilling:
             self._decode(events, report)
         report.seconds = time.perf_counter() - t_step
         self.last_report = report
         return events
 
-    def _admit(self, events: list, report: StepReport) -> None:
+    def _admit(self) -> None:
         key, (prompt_ids, max_new_tokens, sampling, stop, arrived) = self.waiting.popitem(last=False)
         slot = self.pool.acquire()
         drafter = self.drafters[slot]
         drafter.reset()
         seq = Sequence(prompt_ids, max_new_tokens, sampling, self.tokenizer, stop, self.eos, drafter,
                        self.sample_verifier)
-        target = self.pool[slot]
-        t0 = time.perf_counter()
-        try:
-            out = target.forward(torch.tensor(prompt_ids), logits_rows=slice(-1, None), greedy=sampling.greedy)
-            target.commit()
-        except BaseException:  # (re-raised) the request is gone from the queue: its slot must not stay taken
-            self.pool.release(slot)
-            raise
-        seq.start(out, time.perf_counter() - t0)
-        entry = _Active(key, slot, seq, drafter, t0)
+        self.prefilling[key] = _Active(key, slot, seq, drafter, time.perf_counter())
+
+    def _prompt_pieces(self, decoding: bool) -> list[tuple[_Active, int]]:
+        """This step's prompt pieces: (request, rows to read), first come first served within the step's budget."""
+        budget = self.prefill_chunk if decoding else WHOLE_PROMPT_ROWS
+        pieces: list[tuple[_Active, int]] = []
+        for e in self.prefilling.values():
+            left = e.prompt.numel() - e.read
+            if self.chunked:
+                take = min(left, budget)
+            else:  # whole prompts only: at least one a step, more while they fit the budget
+                take = left if left <= budget or not pieces else 0
+            if take <= 0:
+                break
+            pieces.append((e, take))
+            budget -= take
+        return pieces
+
+    def _prefilled(self, e: _Active, out: TargetOutput, events: list, report: StepReport) -> None:
+        """A piece of `e`'s prompt was read (`out`: its forward's output); at the prompt's end, the first token."""
+        self.pool[e.slot].commit()
+        if out.features is not None and e.seq.drafter.needs_features:
+            e.features.append(out.features)
+        if e.read < e.prompt.numel():
+            return
+        del self.prefilling[e.key]
+        features = torch.cat(e.features) if e.features else None  # [P, F]: as one forward of the prompt gives them
+        e.features = []
+        e.seq.start(TargetOutput(out.head_logits, features, out.greedy_tokens, out.argmax_rows),
+                    time.perf_counter() - e.started)
         report.prefills += 1
-        self._emit(entry, events, report)
-        if not seq.done:
-            self.active[key] = entry
+        self._emit(e, events, report)
+        if not e.seq.done:
+            self.active[e.key] = e
 
     def _emit(self, entry: _Active, events: list, report: StepReport) -> None:
         step = entry.seq.emit()
@@ -179,7 +214,7 @@ class BatchDecoder:
         t_round = time.perf_counter()
         entries = list(self.active.values())
         keys = [e.key for e in entries]
-        if self.speculate == "auto":
+        if self.speculate == "auto" and entries:
             plan = self.policy.plan(keys)
             drafting = plan.draft
         else:
@@ -201,13 +236,27 @@ class BatchDecoder:
         greedy = [e.seq.sampling.greedy for e in entries]  # greedy sequences' tokens as their batch-1 steps get them
         steps = [(e.slot, tree.tokens, tree.positions(self.pool[e.slot].cache_len),
                   tree.ancestor_mask() if len(tree) > 1 else None) for e, tree in zip(entries, trees)]
+        pieces = self._prompt_pieces(decoding=bool(entries))
+        for e, take in pieces:  # causal rows on top of the prompt rows read so far; the last row's head only
+            steps.append((e.slot, e.prompt[e.read : e.read + take], None, None, slice(-1, None)))
+            greedy.append(e.seq.sampling.greedy)
         t0 = time.perf_counter()
-        outputs = self.pool.forward(steps, greedy=greedy)
+        try:
+            outputs = self.pool.forward(steps, greedy=greedy)
+        except BaseException:  # (re-raised) requests whose prompt was being read must not keep their slots
+            for e, _ in pieces:
+                self.cancel(e.key)
+            raise
         seconds = time.perf_counter() - t0
         rows = sum(len(t) for t in trees)
-        self.policy.observe_step(rows, seconds)
-        report.sequences, report.rows = len(entries), rows
+        prompt_rows = sum(take for _, take in pieces)
+        if not prompt_rows:  # (the policy's costs are those of decode rows)
+            self.policy.observe_step(rows, seconds)
+        report.sequences, report.rows, report.prefill_rows = len(entries), rows, prompt_rows
         report.drafted = sum(len(t) > 1 for t in trees)
+        for (e, take), out in zip(pieces, outputs[len(entries):]):
+            e.read += take
+            self._prefilled(e, out, events, report)
         for e, tree, out, t_draft in zip(entries, trees, outputs, draft_times):
             keep = e.seq.accept(tree, out)
             self.pool[e.slot].commit(keep)
@@ -216,7 +265,8 @@ class BatchDecoder:
             self._emit(e, events, report)
             if e.seq.done:
                 del self.active[e.key]
-        self.policy.observe_round(len(entries), report.drafted, rows, time.perf_counter() - t_round)
+        if entries and not prompt_rows:
+            self.policy.observe_round(len(entries), report.drafted, rows, time.perf_counter() - t_round)
 
     # ---- to completion -----------------------------------------------------------------------------------------
     def run(self) -> Iterator[tuple[Hashable, Step | Finished]]:

@@ -24,7 +24,9 @@ equal those of a one-token step. By default on a CPU every decode step is row-in
   targets (`eaglespec.backends.cpu.quant`) always attend this way. `exact=False` (`--no-exact`) keeps one batched
   attention call instead: faster there, but a verified row can then differ from a one-token step in its last bits (~4e-5
   of a logit on SmolLM2-135M in float32), which a near-tie can turn into another token.
-The prompt prefill is one batched call in every mode (nothing is compared with it).
+Prompt prefills attend through the kernel too where it runs, so a prompt row's bits do not depend on how the
+prompt was cut: a prompt read in pieces (`spec.batch`'s chunked prefill, or `MAX_STEP_ROWS` here) leaves the same
+cache as one call. Elsewhere the prefill is one batched call (and is then never cut).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from .hf import TargetModel, TargetOutput
 from .layers import Linear, decoder_layer, rms_norm, write_and_attend
 
 SUPPORTED = ("llama", "qwen2")
+# a longer prompt is read in pieces of this many rows where that gives the same bits (the kernels' attention): the
+# attention's per-row paths and the step mask grow with the square of a call's rows
+MAX_STEP_ROWS = 512
 _BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (weights state, {plan: built weights})
 
 
@@ -310,6 +315,8 @@ class FastTarget(TargetModel):
         if positions is None:
             positions = torch.arange(c, c + n, device=self.device)
         positions = positions.to(self.device)
+        if self.tree_kernel and tree_mask is None and n > MAX_STEP_ROWS and logits_rows in (None, slice(-1, None)):
+            return self._forward_pieces(tokens, positions, logits_rows, greedy)
         top = int(positions.max())
         if top >= self.max_context:
             raise EagleSpecError(f"sequence reaches position {top}, beyond the model's context of {self.max_context}")
@@ -320,10 +327,9 @@ class FastTarget(TargetModel):
             else tree_mask.to(self.device)  # [n, n]: the step rows each row sees (the cached ones it sees all)
         # Row-invariant steps: for each query row, the end of the cache slice it sees, or its path of step rows.
         rows = None
-        # decode steps (c > 0) attend through the kernel beside its products, and row-invariant tree steps where it
-        # builds; prompt prefills (c == 0) keep one batched call (nothing is compared with them)
-        exact_kernel = (self.row_invariant and self.attention_kernel and tree_mask is not None) or (
-            self.tree_kernel and c > 0)
+        # every step (prompt prefills too) attends through the kernel beside its products, and row-invariant tree
+        # steps where it builds; elsewhere prompt prefills keep one batched call (nothing is compared with them)
+        exact_kernel = (self.row_invariant and self.attention_kernel and tree_mask is not None) or self.tree_kernel
         if exact_kernel and not self.keys_transposed:  # row_invariant was set after construction
             self.kernels.load()
             self.layer_keys = [keys.transpose(1, 2).contiguous() for keys in self.layer_keys]  # the kernel's layout
@@ -366,17 +372,45 @@ class FastTarget(TargetModel):
 
         last = rms_norm(x, self.final_norm, self.eps)  # [n, d]
         rows = last if logits_rows is None else last[logits_rows]
-        best = self.greedy_head(rows) if greedy and self.greedy_head is not None else None  # [rows] or None
-        logits = self.logits_head(rows) if best is None else None  # [rows, vocab] (TargetOutput.logits: float32)
-        if self.feature_kind == "final":
-            features = last
-        elif self.feature_kind == "eagle3":
-            by_layer = dict(zip(sorted(set(feature_layers)), saved))
-            features = torch.cat([by_layer[i] for i in self.eagle3_layers()], dim=-1)  # [n, 3d]
-        else:
-            features = None
-        return TargetOutput(logits=logits, features=features, greedy_tokens=best,
+        logits, best = self.heads(rows, greedy)
+        return TargetOutput(logits=logits, features=self.features_of(last, saved), greedy_tokens=best,
                             argmax_rows=self.kernels.argmax_rows)
+
+    def heads(self, rows: Tensor, greedy: bool) -> tuple[Tensor | None, Tensor | None]:
+        """The LM heads of a step's final rows [R, d]: (logits [R, vocab] or None, greedy tokens [R] or None). A
+        greedy step takes the greedy head's tokens where the target has one (the bfloat16 kernels: the argmax of
+        the exact logits without all of them), else the logits."""
+        best = self.greedy_head(rows) if greedy and self.greedy_head is not None else None  # [R] or None
+        logits = self.logits_head(rows) if best is None else None  # [R, vocab] (TargetOutput.logits: float32)
+        return logits, best
+
+    def features_of(self, last: Tensor, saved: list[Tensor]) -> Tensor | None:
+        """The features a draft head reads: last [n, d] the final-norm rows, saved the inputs of the layers in
+        `eagle3_layers()` (in layer order). Returns [n, d], [n, 3d] or None (feature_kind)."""
+        if self.feature_kind == "final":
+            return last
+        if self.feature_kind == "eagle3":
+            layers = self.eagle3_layers()
+            by_layer = dict(zip(sorted(set(layers)), saved))
+            return torch.cat([by_layer[i] for i in layers], dim=-1)  # [n, 3d]
+        return None
+
+    def _forward_pieces(self, tokens: Tensor, positions: Tensor, logits_rows: slice | None,
+                        greedy: bool) -> TargetOutput:
+        """A long prompt's forward as pieces of MAX_STEP_ROWS rows, each committed but the last (as `forward`
+        leaves it): the same bits as one call wherever the kernels attend (module docstring)."""
+        outs = []
+        for start in range(0, tokens.numel(), MAX_STEP_ROWS):
+            if outs:
+                self.commit()
+            piece = slice(start, start + MAX_STEP_ROWS)
+            outs.append(self.forward(tokens[piece], positions[piece], None, logits_rows=logits_rows, greedy=greedy))
+        features = None if outs[-1].features is None else torch.cat([o.features for o in outs])
+        if logits_rows is not None:  # the last row's head only
+            return TargetOutput(outs[-1].head_logits, features, outs[-1].greedy_tokens, self.kernels.argmax_rows)
+        logits = None if outs[-1].head_logits is None else torch.cat([o.head_logits for o in outs])
+        best = None if outs[-1].greedy_tokens is None else torch.cat([o.greedy_tokens for o in outs])
+        return TargetOutput(logits, features, best, self.kernels.argmax_rows)
 
 
 def make_target(model, feature_kind: str | None = "final", backend: str = "auto",

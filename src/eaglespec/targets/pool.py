@@ -14,7 +14,10 @@ sequence attends over its own cache. A row then has exactly the bits of the batc
 greedy output does not depend on the batch's composition. On a GPU the rows go together too, without that
 guarantee (its libraries choose kernels by the shape of the whole product). Elsewhere (float32 or quantized CPU
 targets, the generic transformers path) each slot runs its own forward: exact, but without shared weight reads.
-Prompt prefills always run alone, as batch-1 decoding runs them.
+
+A slot's step may be a piece of its prompt (`spec.batch`'s chunked prefill): on the kernels a prompt row's bits do
+not depend on how the prompt was cut (targets.fast), so pieces ride in the batched forward beside the other slots'
+draft trees. `chunked_prefill` says whether the pool's targets allow that.
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ from .layers import decoder_layer, rms_norm, write_and_attend
 
 class SlotStep(NamedTuple):
     """One slot's part of a batched forward: `tokens` [n] at `positions` [n] with `tree_mask` [n, n] (None:
-    causal), on top of the slot's committed rows. (A plain tuple of these four does as well.)"""
+    causal), on top of the slot's committed rows; LM heads of `logits_rows` only (a prompt piece needs its last row's
+    at most). (A plain tuple of the first four does as well.)"""
 
     slot: int
     tokens: Tensor
     positions: Tensor | None = None
     tree_mask: Tensor | None = None
+    logits_rows: slice | None = None  # the rows whose LM head the step needs (None: every row)
 
 
 class TargetPool:
@@ -53,6 +58,8 @@ class TargetPool:
         lead = self.targets[0]
         # rows of several slots in one pass: where every row's bits are its own (module docstring)
         self.together = isinstance(lead, FastTarget) and (lead.tree_kernel or lead.device.type == "cuda")
+        # a prompt may be read in pieces, each riding in a batched forward, with the bits of reading it whole
+        self.chunked_prefill = isinstance(lead, FastTarget) and lead.tree_kernel
         self.forwards = 0  # batched forwards so far
         self.rows = 0  # rows they verified
 
@@ -84,10 +91,10 @@ class TargetPool:
 
     @torch.inference_mode()
     def forward(self, steps: list[SlotStep | tuple], greedy: bool | list[bool] = False) -> list[TargetOutput]:
-        """One decode step of each slot in `steps` (each slot at most once, each with committed rows); returns
-        their outputs in order. `greedy`: for all slots or one flag per slot (`TargetModel.forward`'s: a greedy
-        slot's tokens come from the greedy head where the target has one, as its batch-1 greedy step's do). Commit
-        each slot's accepted rows (`self[slot].commit(keep)`) before its next forward."""
+        """One step of each slot in `steps` (each slot at most once; a prompt, a piece of one, or a draft tree over
+        committed rows); returns their outputs in order. `greedy`: for all slots or one flag per slot
+        (`TargetModel.forward`'s: a greedy slot's tokens come from the greedy head where the target has one, as its
+        batch-1 greedy step's do). Commit each slot's rows (`self[slot].commit(keep)`) before its next forward."""
         steps = [SlotStep(*s) for s in steps]
         if len({s.slot for s in steps}) != len(steps):
             raise ValueError("a slot can take part in a batched forward only once")
@@ -97,22 +104,21 @@ class TargetPool:
         self.forwards += 1
         self.rows += sum(s.tokens.numel() for s in steps)
         if not self.together or len(steps) == 1:
-            return [self.targets[s.slot].forward(s.tokens, s.positions, s.tree_mask, greedy=g)
+            return [self.targets[s.slot].forward(s.tokens, s.positions, s.tree_mask, s.logits_rows, greedy=g)
                     for s, g in zip(steps, flags)]
         return _forward_together([self.targets[s.slot] for s in steps], steps, flags)
 
 
 def _forward_together(targets: list[FastTarget], steps: list[SlotStep], greedy: list[bool]) -> list[TargetOutput]:
-    """FastTarget.forward's decode step for several slots at once: the rows of all of them through each layer's
-    products together, each slot's rows attending over its own cache (as its batch-1 step would)."""
+    """FastTarget.forward's step for several slots at once: the rows of all of them through each layer's products
+    together, each slot's rows attending over its own cache (as its batch-1 step would)."""
     lead = targets[0]
+    kernel = all(t.tree_kernel for t in targets)  # every slot's attention in one kernel call per layer
     tokens, cos, sin, attends, sizes, masks = [], [], [], [], [], []
     for t, s in zip(targets, steps):
         if t._pending:
             raise RuntimeError("commit() the previous forward of every slot before running another one")
         c, n = t.cache_len, s.tokens.numel()
-        if c == 0:
-            raise ValueError("a batched forward continues sequences; prefill a new one alone (its slot's forward)")
         positions = (torch.arange(c, c + n) if s.positions is None else s.positions).to(t.device)
         top = int(positions.max())
         if top >= t.max_context:
@@ -124,9 +130,7 @@ def _forward_together(targets: list[FastTarget], steps: list[SlotStep], greedy: 
             step_rows = (torch.ones(n, n, dtype=torch.bool).tril_() if s.tree_mask is None else s.tree_mask)
             step_rows = step_rows.to(t.device).contiguous()  # [n, n]: the step rows each row sees
         masks.append(step_rows)
-        if t.tree_kernel:  # eaglespec's decode-step attention, as FastTarget.forward runs every decode step
-            attends.append(partial(_attend_kernel, t, c=c, step_mask=step_rows))
-        else:  # one attention call over the slot's cache (GPU)
+        if not kernel:  # one attention call per slot over its cache (a GPU)
             mask = None
             if step_rows is not None:
                 mask = torch.ones(n, c + n, dtype=torch.bool, device=t.device)
@@ -142,7 +146,6 @@ def _forward_together(targets: list[FastTarget], steps: list[SlotStep], greedy: 
     heads = (lead.n_heads, lead.n_kv, lead.head_dim)
     feature_layers = lead.eagle3_layers() if lead.feature_kind == "eagle3" else ()
     saved = []
-    kernel = all(t.tree_kernel for t in targets)  # every slot's attention in one kernel call per layer
     cached = [t.cache_len for t in targets]
     for i, layer in enumerate(lead.layers):
         if i in feature_layers:
@@ -163,41 +166,31 @@ def _forward_together(targets: list[FastTarget], steps: list[SlotStep], greedy: 
 
         x = decoder_layer(layer, x, cos_all, sin_all, heads, lead.eps, lead.attention_dtype, attend)
     last = rms_norm(x, lead.final_norm, lead.eps)  # [N, d]
-    # greedy slots' tokens from the greedy head (the argmax of the exact logits, as their batch-1 steps get them;
-    # the argmax of the bfloat16 logits can differ), the others' logits
-    row_greedy = torch.tensor([g for g, n in zip(greedy, sizes) for _ in range(n)])  # [N]
-    best = None
-    if lead.greedy_head is not None and bool(row_greedy.any()):
-        picked = row_greedy.nonzero().flatten().to(last.device)
-        found = lead.greedy_head(last if bool(row_greedy.all()) else last[picked])  # [rows of greedy slots] or None
-        if found is not None:
-            best = torch.full((last.shape[0],), -1, dtype=torch.long, device=found.device)
-            best[picked.to(found.device)] = found
-    logits = lead.logits_head(last) if best is None or not bool(row_greedy.all()) else None  # [N, vocab]
-    if lead.feature_kind == "final":
-        features = last
-    elif lead.feature_kind == "eagle3":
-        by_layer = dict(zip(sorted(set(feature_layers)), saved))
-        features = torch.cat([by_layer[i] for i in lead.eagle3_layers()], dim=-1)  # [N, 3d]
-    else:
-        features = None
-    outputs, start = [], 0
-    for t, n, g in zip(targets, sizes, greedy):
-        rows = slice(start, start + n)
+    features = lead.features_of(last, saved)  # [N, F] or None
+
+    # The LM heads of the rows each slot needs, greedy slots' through the greedy head (the argmax of the exact
+    # logits, as their batch-1 steps get it: the argmax of the bfloat16 logits can differ), the others' logits.
+    head_rows, start = [], 0  # per slot, its rows of [N] that need a head
+    for s, n in zip(steps, sizes):
+        rows = torch.arange(start, start + n)
+        head_rows.append(rows if s.logits_rows is None else rows[s.logits_rows])
+        start += n
+    found: dict[bool, tuple[Tensor | None, Tensor | None]] = {}  # greedy or not -> (logits, tokens) of its rows
+    for kind in set(greedy):
+        rows = torch.cat([r for r, g in zip(head_rows, greedy) if g == kind]).to(last.device)
+        found[kind] = lead.heads(last[rows], kind)
+    outputs, start, taken = [], 0, {kind: 0 for kind in found}
+    for t, n, g, rows in zip(targets, sizes, greedy, head_rows):
+        logits, best = found[g]
+        picked = slice(taken[g], taken[g] + rows.numel())
+        taken[g] += rows.numel()
         t._pending = n
-        outputs.append(TargetOutput(logits=None if logits is None else logits[rows],
-                                    features=None if features is None else features[rows],
-                                    greedy_tokens=best[rows] if g and best is not None else None,
+        outputs.append(TargetOutput(logits=None if logits is None else logits[picked],
+                                    features=None if features is None else features[start : start + n],
+                                    greedy_tokens=None if best is None else best[picked],
                                     argmax_rows=t.kernels.argmax_rows))
         start += n
     return outputs
-
-
-def _attend_kernel(t: FastTarget, layer: int, q: Tensor, k: Tensor, v: Tensor, c: int,
-                   step_mask: Tensor | None) -> Tensor:
-    # (the kernel reads strided queries in place, and the cache writes copy k and v: no copies of the slices needed)
-    return t.kernels.attend_tree(q, k, v, keys=t.layer_keys[layer],
-                                 values=t.layer_values[layer], c=c, step_mask=step_mask)
 
 
 def _attend_torch(t: FastTarget, layer: int, q: Tensor, k: Tensor, v: Tensor, c: int,
