@@ -135,7 +135,30 @@ def test_prune_keeps_the_nodes_worth_their_rows():
     feed_costs(flat, fixed=0.01, per_row=0.0)
     assert flat.prune("k", tree, steep) is tree  # free rows: every node
     unscored = chain([1, 2, 3, 4, 5])
-    assert policy.prune("k", unscored, steep) is unscored  # a chain without scores is kept whole
+    assert policy.prune("k", unscored, steep) is unscored  # a chain without scores: whole until measured
+
+
+def test_chains_without_scores_are_cut_where_measured_acceptance_stops_paying():
+    """Prompt lookup's and a draft model's chains: cut at the first depth whose measured acceptance chance is below
+    what a row must bring; a probe drafts the whole chain; new sequences start from the batch's chances."""
+    policy = LoadPolicy(tree_rows=4)
+    feed_costs(policy, fixed=0.01, per_row=0.001)
+    steep = Plan(draft={"short", "long"}, tokens=4.0, seconds=0.02)  # a row must bring 0.2 tokens
+    four = chain([1, 2, 3, 4, 5])  # root + 4 drafted depths
+    for _ in range(12):
+        policy.observe_sequence("short", four, accepted=1)  # depth 1 always, never depth 2
+    assert policy.prune("short", four, steep).token_list() == [1, 2]
+    assert policy.prune("short", four, Plan(draft={"short"}, probes={"short"}, tokens=4.0, seconds=0.02)) is four
+    flat = Plan(draft={"short"}, tokens=4.0, seconds=1000.0)  # rows nearly free: every measured chance pays
+    assert policy.prune("short", four, flat) is four
+    assert len(policy.prune("new", four, steep)) == 2  # the batch's chances so far
+    for _ in range(12):
+        policy.observe_sequence("long", four, accepted=4)
+    assert policy.prune("long", four, steep) is four  # its own chances, not the batch's
+    for _ in range(3):
+        policy.observe_sequence("short", four, accepted=3)  # depths 2 and 3 now and then: 1 - 0.75^3 = 0.58 > 0.2
+    assert policy.prune("short", four, steep).token_list() == [1, 2, 3, 4]  # depth 4 was never accepted
+    assert policy.prune("short", chain([1, 2]), steep).token_list() == [1, 2]  # one draft node at least
 
 
 def test_prune_trusts_scores_as_far_as_they_predicted_acceptance():

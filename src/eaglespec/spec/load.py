@@ -11,10 +11,12 @@ draft time d and r rows (b r seconds) and is expected to add g accepted tokens; 
 iff g / (d + b r) > K / T. `LoadPolicy.plan` admits the sequences in order of g while that holds. After drafting,
 `LoadPolicy.prune` keeps, of each tree, the nodes worth their row: a node's chance of being accepted is estimated
 from its draft score (EAGLE-2's path probability) scaled by how well the sequence's scores have predicted its
-acceptance so far, and a node is kept while that chance exceeds b K / T. Chains without scores (a draft model,
-prompt lookup) are kept whole. At batch 1 this is the choice `spec.adaptive` makes between drafting and plain
-decoding; plain batched decoding (nobody drafts) is always one of the choices, so the policy only drafts where its
-measurements say it is faster.
+acceptance so far, and a node is kept while that chance exceeds b K / T. A tree without scores (a draft model's or
+prompt lookup's chain) is cut at the first depth whose measured chance of acceptance (how often the sequence's
+drafts that reached that depth had it accepted, and the batch's, until the sequence has its own) falls below
+b K / T; a probe drafts its whole chain, so the chances of the deeper nodes stay measured. At batch 1 this is the
+choice `spec.adaptive` makes between drafting and plain decoding; plain batched decoding (nobody drafts) is always
+one of the choices, so the policy only drafts where its measurements say it is faster.
 
 What a drafting sequence costs is measured, not assumed: besides the forwards' T(N), the policy times whole rounds
 (drafting, the verify forward, acceptance). Plain rounds give the round time of n sequences without drafts; every
@@ -82,6 +84,8 @@ class Outlook:
     since_draft: int = 0  # steps since it last drafted
     drafted: int = 0  # drafted steps so far
     probe_period: int = 0  # plain steps before its next probe (0: the policy's probe_every)
+    # [d-1]: of its drafts that reached depth d, the share that had depth d accepted (a tree without scores)
+    depth_chances: list[float] = field(default_factory=list)
 
     @property
     def calibration(self) -> float:
@@ -94,6 +98,7 @@ class Plan:
     """The policy's choice for one step: which sequences draft, and the throughput it expects."""
 
     draft: set = field(default_factory=set)
+    probes: set = field(default_factory=set)  # of them, those drafting to measure, not because it pays
     tokens: float = 0.0  # expected tokens of the step
     seconds: float = 0.0  # expected seconds of the step
 
@@ -113,6 +118,7 @@ class LoadPolicy:
         self.overhead: float | None = None  # per drafting sequence, all it adds to a round but its rows' forward cost
         self.since_plain = 0  # rounds since the last one without drafts
         self.prior_accepted = prior_accepted  # what a new sequence is expected to accept (the batch's average)
+        self.prior_depth_chances: list[float] = []  # the batch's depth_chances (Outlook), for new sequences
         self.outlooks: dict = {}
 
     def _outlook(self, key) -> Outlook:
@@ -154,20 +160,44 @@ class LoadPolicy:
             if pays or probe:
                 probed |= probe
                 plan.draft.add(key)
+                if probe and not pays:
+                    plan.probes.add(key)
                 plan.tokens += o.accepted
                 plan.seconds += added
                 rows += extra_rows
         return plan
 
     def prune(self, key, tree: DraftTree, plan: Plan) -> DraftTree:
-        """The nodes of `tree` worth verifying in the planned step (all of a tree without scores)."""
-        if tree.scores is None or len(tree) <= 2 or not self.costs.known or plan.seconds <= 0:
+        """The nodes of `tree` worth verifying in the planned step."""
+        if len(tree) <= 2 or not self.costs.known or plan.seconds <= 0:
             return tree
         threshold = self.costs.b * plan.tokens / plan.seconds  # accepted tokens a row must bring
+        if tree.scores is None:
+            return self._cut_chain(key, tree, threshold, probe=key in plan.probes)
         trust = self._outlook(key).calibration
         chances = sorted((trust * math.exp(s) for s in tree.scores.tolist()[1:]), reverse=True)
         keep = 1 + sum(1 for p in chances if p > threshold)
         return tree.prune(max(keep, 2))  # a drafting sequence verifies one draft node at least
+
+    def _cut_chain(self, key, tree: DraftTree, threshold: float, probe: bool) -> DraftTree:
+        """A tree without scores, cut at the first depth whose measured chance of acceptance is below `threshold`
+        (whole for a probe, and at depths not measured yet)."""
+        if probe:
+            return tree
+        o = self._outlook(key)
+        chances = o.depth_chances or self.prior_depth_chances
+        depth = 0
+        while depth < tree.max_depth and (depth >= len(chances) or chances[depth] > threshold):
+            depth += 1
+        return tree if depth == tree.max_depth else tree.truncate_depth(max(depth, 1))
+
+    def _observe_depths(self, chances: list[float], depth: int, accepted: int) -> None:
+        """A draft reaching `depth` had `accepted` of its depths accepted: fold it into `chances` in place (a depth
+        seen for the first time starts from certainty)."""
+        for d in range(depth):
+            if d == len(chances):
+                chances.append(1.0)
+            chances[d] = self._blend(chances[d], float(accepted > d))
 
     # ---- what happened -------------------------------------------------------------------------------------
     def observe_step(self, rows: int, seconds: float) -> None:
@@ -199,6 +229,11 @@ class LoadPolicy:
             o.since_draft += 1
             return
         predicted = sum(math.exp(s) for s in tree.scores.tolist()[1:]) if tree.scores is not None else 0.0
+        if tree.scores is None:
+            if not o.depth_chances:
+                o.depth_chances = list(self.prior_depth_chances)  # the batch's, until it has its own
+            self._observe_depths(o.depth_chances, tree.max_depth, accepted)
+            self._observe_depths(self.prior_depth_chances, tree.max_depth, accepted)
         o.accepted = self._blend(o.accepted, accepted) if o.drafted else float(accepted)
         o.predicted = self._blend(o.predicted, predicted) if o.drafted else predicted
         o.rows = self._blend(o.rows, len(tree) - 1) if o.drafted else float(len(tree) - 1)
