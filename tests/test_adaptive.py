@@ -107,6 +107,34 @@ def test_policy_ignores_a_stalled_round():
     assert policy.speed(PLAIN) == pytest.approx(100.0) and policy.next_mode() == PLAIN
 
 
+def test_mean_timing_sees_the_costly_kind_of_a_mixed_mode():
+    """Prompt lookup in draft mode: most rounds find no match and cost a plain step, a few verify a long chain that
+    is rejected. The median round time hides those; the mean does not, and then plain decoding is chosen."""
+    for timing, chosen in (("median", DRAFT), ("mean", PLAIN)):
+        policy = SwitchPolicy(start=DRAFT, window=8, period=16, timing=timing)
+        for i in range(64):
+            mode = policy.next_mode()
+            policy.observe(mode, 1, 0.30 if mode == DRAFT and i % 4 == 0 else 0.08)
+        assert policy.chosen == chosen, timing
+    with pytest.raises(ValueError, match="timing"):
+        SwitchPolicy(timing="mode")
+
+
+@pytest.mark.parametrize("method", ["pld", "sps"])
+def test_chain_methods_adapt_by_default(method):
+    """pld, sps and staged switch between drafting and plain decoding with tree auto (the default of Engine()),
+    greedy output unchanged; adapt=False keeps them drafting."""
+    model = make_model("llama")
+    draft = {"draft_hf_model": make_model("llama", seed=1)} if method == "sps" else {}
+    engine = Engine.from_model(model, TinyTokenizer(), method=method, tree="auto", **draft)
+    assert isinstance(engine.drafter, AdaptiveDrafter) and "adaptive" in engine.notice
+    assert engine.drafter.policy.timing == ("mean" if method == "pld" else "median")
+    for prompt in PROMPTS[:2]:
+        assert engine.generate(prompt, max_new_tokens=20).tokens == vanilla_tokens(model, prompt, 20)
+    fixed = Engine.from_model(model, TinyTokenizer(), method=method, tree="auto", adapt=False, **draft)
+    assert not isinstance(fixed.drafter, AdaptiveDrafter)
+
+
 def test_policy_rejects_bad_settings():
     with pytest.raises(ValueError, match="start"):
         SwitchPolicy(start="fast")

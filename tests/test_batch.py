@@ -406,6 +406,36 @@ def test_greedy_and_sampled_sequences_in_one_step(dtype, backend, monkeypatch):
     assert expected[1] != batch_one(engine, [PROMPTS[1]], [20])[0]  # the sampled one did not decode greedily
 
 
+def test_the_gpu_form_of_the_batched_forward_reads_prompts_beside_trees():
+    """The batched forward a GPU runs (all slots' rows through the products together, one torch attention call per
+    slot), here on a CPU in float32: one slot's prompt and another slot's draft tree in one forward give each the
+    logits and features of its own forward, to float32 rounding (on a GPU nothing promises the bits)."""
+    model = make_cpu_model("qwen2")
+    engine = Engine.from_model(model, TinyTokenizer(), method="vanilla", backend="fast", exact=False)
+    engine.target.feature_kind = "final"  # (the siblings' too) the features an EAGLE-1 head reads
+    pool = TargetPool(engine.target, 2)
+    assert not pool.together and not pool.chunked_prefill  # float32 on a CPU: slot by slot
+    pool.together = True  # as on a GPU
+    alone = [engine.target.sibling(), engine.target.sibling()]
+    a, b = pool.acquire(), pool.acquire()
+    pool.forward([(a, torch.tensor(PROMPTS[0]))])
+    pool[a].commit()
+    alone[0].forward(torch.tensor(PROMPTS[0]))
+    alone[0].commit()
+    tree = DraftTree.from_lists([7, 8, 9, 10], [-1, 0, 0, 1])
+    c = pool[a].cache_len
+    steps = [(a, tree.tokens, tree.positions(c), tree.ancestor_mask()),
+             (b, torch.tensor(PROMPTS[2]), None, None, slice(-1, None))]
+    together = pool.forward(steps)
+    own = [alone[0].forward(tree.tokens, tree.positions(c), tree.ancestor_mask()),
+           alone[1].forward(torch.tensor(PROMPTS[2]), logits_rows=slice(-1, None))]
+    for got, want in zip(together, own):
+        assert got.logits.shape == want.logits.shape and got.features.shape == want.features.shape
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got.features, want.features, atol=1e-4, rtol=1e-4)
+    assert together[1].logits.shape[0] == 1  # the prompt's last row only
+
+
 @pytest.fixture(scope="module")
 def sampling_target():
     """A tiny target and the exact distribution of its first three sampled tokens, computed from the very target the

@@ -255,7 +255,8 @@ def test_adapt_adds_an_adaptive_variant_sharing_the_engine(tmp_path):
     assert [m.name for m in methods] == ["vanilla", "eagle2", "eagle2+adapt"]
     eagle2, adaptive = methods[1:]
     assert adaptive.engine is eagle2.engine and isinstance(adaptive.drafter, AdaptiveDrafter)
-    assert not isinstance(eagle2.drafter, AdaptiveDrafter) and adaptive.settings["adapt"] == {"start": PLAIN}
+    assert not isinstance(eagle2.drafter, AdaptiveDrafter)
+    assert adaptive.settings["adapt"] == {"start": PLAIN, "timing": "median"}
     config = BenchConfig(dataset="tiny", max_new_tokens=MAX_NEW, repeats=1, warmup=0)
     run_benchmark(methods, QUESTIONS, encode, decode, config, tmp_path / "out", progress=False, command=["t"])
     rows = read_rows(tmp_path / "out" / RESULTS)
@@ -267,6 +268,20 @@ def test_adapt_adds_an_adaptive_variant_sharing_the_engine(tmp_path):
     # measured across requests, and on a tiny model either mode can time faster, more so on a busy machine.)
     first = by["eagle2+adapt"][0]
     assert first["drafted_forwards"] < first["target_forwards"]
+
+
+def test_adapt_adds_adaptive_variants_of_the_chain_methods():
+    from eaglespec.spec.adaptive import DRAFT, AdaptiveDrafter
+
+    model, tok = make_model("llama"), TinyTokenizer()
+    ctx = MethodContext(model=model, tokenizer=tok, model_name="tiny", tree="auto", eos_ids=eos_ids_of(model, tok),
+                        adapt=True)
+    methods = build_methods(["pld"], ctx)
+    assert [m.name for m in methods] == ["vanilla", "pld", "pld+adapt"]
+    pld, adaptive = methods[1:]
+    assert adaptive.engine is pld.engine and isinstance(adaptive.drafter, AdaptiveDrafter)
+    assert not isinstance(pld.drafter, AdaptiveDrafter)
+    assert adaptive.settings["adapt"] == {"start": DRAFT, "timing": "mean"}
 
 
 def test_unknown_method_and_bad_sweep_are_clear_errors():

@@ -19,20 +19,14 @@ import torch
 from conftest import VOCAB, TinyTokenizer, make_model
 from tiny_hub import write_tiny_model
 
-from eaglespec.bench import peers
+from eaglespec.bench import peer_process
 from eaglespec.bench.base import BenchMethod, RunOutput, Sampling
 from eaglespec.bench.datasets import Question
 from eaglespec.bench.methods import ALL_METHODS, MethodContext, build_methods, parse_methods, unavailable_reason
 from eaglespec.bench.metrics import read_rows
-from eaglespec.bench.peers import (
-    PeerOptions,
-    PeerProcess,
-    build_peer_method,
-    int4_group_size,
-    parse_peer_python,
-    peer_ready_folder,
-    require_engine,
-)
+from eaglespec.bench.peer_models import int4_group_size, peer_ready_folder
+from eaglespec.bench.peer_process import PeerProcess
+from eaglespec.bench.peers import PeerOptions, build_peer_method, parse_peer_python, require_engine
 from eaglespec.bench.runner import RESULTS, RUN_INFO, BenchConfig, run_benchmark
 from eaglespec.cli import main
 from eaglespec.drafters import TreeSettings
@@ -254,7 +248,7 @@ def fake_python(tmp_path, monkeypatch) -> Path:
 def running_workers() -> list[int]:
     """This process's descendants that are peer workers and still running (zombies excluded)."""
     out = []
-    for pid in peers.process_tree(os.getpid())[1:]:
+    for pid in peer_process.process_tree(os.getpid())[1:]:
         try:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -493,7 +487,7 @@ def test_the_protocol_ignores_what_the_engine_prints_and_refuses_garbage(fake_py
     process.close()
     script = tmp_path / "noisy.py"
     script.write_text("print('hello, not json')\n")
-    monkeypatch.setattr(peers, "WORKER", script)
+    monkeypatch.setattr(peer_process, "WORKER", script)
     with pytest.raises(EagleSpecError, match="not a protocol line: 'hello, not json'"):
         PeerProcess(sys.executable, {}, "noisy", progress=False)
 

@@ -23,7 +23,7 @@ from .errors import EagleSpecError
 from .heads import DraftHead, check_head_fits, load_head
 from .models import DEFAULT_MODEL, load_target, shipped_head_dir
 from .platform import parse_device, parse_dtype
-from .spec.adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
+from .spec.adaptive import ADAPTIVE_CHAINS, DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy, chain_policy
 from .spec.batch import PREFILL_CHUNK, BatchDecoder
 from .spec.decode import Finished, GenerationStats, SpecDecoder, Step
 from .spec.verify import SamplingParams
@@ -162,6 +162,10 @@ class Engine:
                 self.notice += (f"; adaptive: starts {'drafting' if start == DRAFT else 'without a draft'} and "
                                 "switches to whichever of drafting and plain decoding measures faster while it "
                                 "generates (a fixed --tree TOTAL,DEPTH,TOP_K always drafts)")
+        elif tree in ("auto", "calibrate") and adapt and method in ADAPTIVE_CHAINS:
+            self.decoder.drafter = AdaptiveDrafter(self.drafter, chain_policy(method))
+            self.notice = "; ".join(filter(None, [self.notice, (
+                f"adaptive: {method} drafts where it measures faster than plain decoding (adapt=False: always)")]))
 
     def _make_drafter(self, method: str, head: DraftHead | None, tree: TreeSettings | None,
                       head_name: str) -> Drafter:

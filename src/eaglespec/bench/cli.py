@@ -41,8 +41,9 @@ def register(subparsers, model_options, sampling_options) -> None:
                    help="one variant per value of a tree setting, e.g. total_tokens=8,16,32 (also depth, top_k); "
                         "the others from --tree (16,5,4 with --tree auto)")
     g.add_argument("--adapt", action="store_true",
-                   help="with --tree auto, also time each tree-auto method (eagle2, eagle3, chain) switching between "
-                        "drafting and plain decoding as generate does (rows '<method>+adapt')")
+                   help="with --tree auto, also time each tree-auto method (eagle2, eagle3, chain) and each chain "
+                        "method (pld, sps, staged) switching between drafting and plain decoding as generate does "
+                        "(rows '<method>+adapt')")
     g.add_argument("--head3", default="auto", help="EAGLE-3 head folder for the eagle3 method ('auto' = shipped)")
     g.add_argument("--out", default=None, help="output folder (default bench-DATASET-TIME)")
     g.add_argument("--force", action="store_true", help="overwrite an existing results.jsonl in --out")

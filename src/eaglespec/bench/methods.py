@@ -26,7 +26,7 @@ import torch
 
 from ..drafters import TreeSettings
 from ..errors import EagleSpecError, MissingPackageError
-from ..spec.adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
+from ..spec.adaptive import ADAPTIVE_CHAINS, DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy, chain_policy
 from .base import BenchMethod, LoopMethod, RunOutput, Sampling, cut_after_eos
 from .oracle import OracleMethod
 from .peers import PEER_PROCESS_METHODS, PeerOptions, build_peer_method, peer_unavailable
@@ -309,10 +309,16 @@ def build_methods(names: list[str], ctx: MethodContext,
             label = name if value is None else f"{name}@{sweep[0]}={value}"
             methods.append(LoopMethod(label, name, engine, settings, None if value is None else {sweep[0]: value},
                                       record_answers=answers if name == "vanilla" else None))
-            if ctx.adapt and engine.tree_choice is not None and value is None:
-                start = DRAFT if engine.tree_choice.speculate else PLAIN
-                methods.append(LoopMethod(f"{name}+adapt", name, engine, {**settings, "adapt": {"start": start}},
-                                          drafter=AdaptiveDrafter(engine.drafter, SwitchPolicy(start))))
+            if ctx.adapt and value is None and (engine.tree_choice is not None or name in ADAPTIVE_CHAINS):
+                if engine.tree_choice is not None:
+                    start = DRAFT if engine.tree_choice.speculate else PLAIN
+                    policy = SwitchPolicy(start)
+                else:  # as generate runs these methods
+                    policy = chain_policy(name)
+                    start = policy.chosen
+                methods.append(LoopMethod(f"{name}+adapt", name, engine,
+                                          {**settings, "adapt": {"start": start, "timing": policy.timing}},
+                                          drafter=AdaptiveDrafter(engine.drafter, policy)))
     return methods
 
 

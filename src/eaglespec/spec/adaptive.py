@@ -2,7 +2,7 @@
 
 Whether drafting pays depends on the machine (how much a verify pass of several tokens costs against one) and on
 the text (how much of it the head predicts): on a CPU where it is close, `--tree auto`'s one-off calibration can
-be right for its prompts and wrong for the user's. `AdaptiveDrafter` wraps an EAGLE drafter and, round by round,
+be right for its prompts and wrong for the user's. `AdaptiveDrafter` wraps a drafter and, round by round,
 either drafts with it or proposes nothing (a plain decoding step through the same loop). `SwitchPolicy` keeps the
 speed of each mode over its recent rounds, stays with the faster one, and measures the other again every
 `period` tokens. The output never depends on the mode (verification is lossless either way), only the speed.
@@ -22,10 +22,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..drafters import Drafter
+from ..drafters import DRAFT_MODEL_METHODS, Drafter
 from .tree import DraftTree
 
 DRAFT, PLAIN = "draft", "plain"
+# methods whose drafts are chains without scores, adaptive by default too: on a CPU where a verify row costs a good
+# part of a step, their drafts can slow decoding down where the context or the draft model predicts little
+ADAPTIVE_CHAINS = ("pld", *DRAFT_MODEL_METHODS)
 
 
 class SwitchPolicy:
@@ -39,12 +42,19 @@ class SwitchPolicy:
     time is measured afresh for `window` rounds (a probe), then the faster of the two is chosen. A probe costs
     `window` rounds at the slower speed, so each probe that confirms the choice doubles the period (up to
     `max_period`), and a change of choice resets it.
+
+    `timing="mean"` takes a mode's speed as its last `window` rounds' tokens over their seconds instead: for
+    drafters whose drafted rounds are of two kinds by design (prompt lookup drafts only where the context repeats
+    itself, and its other rounds cost a plain step), the median round time would hide the costly kind.
     """
 
     def __init__(self, start: str = DRAFT, window: int = 8, period: int = 64, memory: int = 64,
-                 max_period: int = 1024):
+                 max_period: int = 1024, timing: str = "median"):
         if start not in (DRAFT, PLAIN):
             raise ValueError(f"start must be '{DRAFT}' or '{PLAIN}', got {start!r}")
+        if timing not in ("median", "mean"):
+            raise ValueError(f"timing must be 'median' or 'mean', got {timing!r}")
+        self.timing = timing
         if min(window, period, memory) < 1 or max_period < period:
             raise ValueError("window, period and memory must be positive, and max_period at least period")
         self.window, self.base_period, self.max_period = window, period, max_period
@@ -65,6 +75,8 @@ class SwitchPolicy:
         seconds, tokens = self.seconds[mode], self.tokens[mode]
         if len(seconds) < self.window:
             return None
+        if self.timing == "mean":  # the same rounds' tokens and seconds
+            return sum(list(tokens)[-len(seconds):]) / max(sum(seconds), 1e-9)
         return (sum(tokens) / len(tokens)) / max(statistics.median(seconds), 1e-9)
 
     def observe(self, mode: str, tokens: int, seconds: float) -> None:
@@ -92,6 +104,12 @@ class SwitchPolicy:
             return other
         return self.chosen
 
+
+
+def chain_policy(method: str) -> SwitchPolicy:
+    """The policy of a chain-drafting method (ADAPTIVE_CHAINS): it starts drafting; prompt lookup's drafted rounds
+    are of two kinds (a match, or a plain step), so its speed is timed by the mean."""
+    return SwitchPolicy(DRAFT, window=16, timing="mean" if method == "pld" else "median")
 
 class AdaptiveDrafter(Drafter):
     """Drafts with `inner` (an `EagleDrafter`, or any drafter) or proposes only the root, as `policy` decides
