@@ -35,6 +35,7 @@ from eaglespec.heads import HeadConfig, build_head
 from eaglespec.models import load_target, shipped_head_dir
 from eaglespec.serve import ServerConfig, create_app
 from eaglespec.serve.batch_worker import BatchWorker
+from eaglespec.serve.thread import GenerationThread
 from eaglespec.targets.hf import TargetModel
 
 MODEL = "tiny-test"
@@ -94,10 +95,10 @@ def tiny_engine(tokenizer, seed: int = 0, agreeable: bool = True) -> Engine:
 class LiveServer:
     """uvicorn serving an app on a free loopback port, in a background thread."""
 
-    def __init__(self, engine: Engine, **config):
+    def __init__(self, engine: Engine, thread: GenerationThread | None = None, **config):
         self.engine = engine
         self.config = ServerConfig(model_name=MODEL, api_key=KEY, **config)
-        self.app = create_app(engine, self.config)
+        self.app = create_app(engine, self.config, thread)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -177,6 +178,31 @@ def client(live):
 
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three birds."}]
+
+
+@pytest.mark.parametrize("max_batch", [1, 2], ids=["one-at-a-time", "batched"])
+def test_the_server_decodes_on_the_thread_that_built_its_engine(tokenizer, max_batch):
+    """`serve` builds its engine on the generation thread and decodes there (serve/thread.py: with the engine built
+    on another thread, a second OpenMP team made every decode step wait for sleeping threads: half the speed)."""
+    thread = GenerationThread()
+    engine = thread.call(tiny_engine, tokenizer)
+    home = thread.call(threading.get_ident)
+    server = LiveServer(engine, thread, max_batch=max_batch)
+    seen = set()
+    try:
+        worker = server.app.state.server.worker
+        assert worker.thread is thread
+        target = worker.batch.pool if max_batch > 1 else engine.target
+        forward = target.forward
+        target.forward = lambda *a, **k: seen.add(threading.get_ident()) or forward(*a, **k)
+        reply = server.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+        assert reply.choices[0].message.content
+    finally:
+        server.close()
+    assert seen == {home} and home != threading.get_ident()
+    with pytest.raises(ZeroDivisionError):  # a failure on the thread reaches the caller; the thread goes on
+        thread.call(lambda: 1 / 0)
+    assert thread.call(lambda: 6 * 7) == 42
 
 
 # ---- OpenAI client: chat and completions ---------------------------------------------------------------------

@@ -41,6 +41,7 @@ from .schemas import (
     error_body,
     parse_request,
 )
+from .thread import GenerationThread
 from .worker import Cancelled, Done, GenerationParams, GenerationWorker, Job
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
@@ -63,16 +64,19 @@ class ServerConfig:
 class Server:
     """Request handling shared by the endpoints; owns the worker and the metrics."""
 
-    def __init__(self, engine, config: ServerConfig):
+    def __init__(self, engine, config: ServerConfig, thread: GenerationThread | None = None):
+        """`thread`: the thread that built `engine`, which then also runs the worker (serve/thread.py)."""
         self.engine = engine
         self.config = config
         self.metrics = ServerMetrics(config.model_name)
-        if config.max_batch > 1:
-            self.worker = BatchWorker(engine, self.metrics, max_queue=config.max_queue, timeout=config.timeout,
-                                      max_batch=config.max_batch, speculate=config.speculate,
-                                      prefill_chunk=config.prefill_chunk)
+        thread = thread or GenerationThread()
+        if config.max_batch > 1:  # (its KV-cache slots are allocated on the generation thread too)
+            self.worker = thread.call(BatchWorker, engine, self.metrics, max_queue=config.max_queue,
+                                      timeout=config.timeout, max_batch=config.max_batch,
+                                      speculate=config.speculate, prefill_chunk=config.prefill_chunk, thread=thread)
         else:
-            self.worker = GenerationWorker(engine, self.metrics, max_queue=config.max_queue, timeout=config.timeout)
+            self.worker = GenerationWorker(engine, self.metrics, max_queue=config.max_queue, timeout=config.timeout,
+                                           thread=thread)
         self.created = int(time.time())
 
     # ---- authentication ------------------------------------------------------------------------------------
@@ -306,10 +310,11 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
-    """The ASGI app serving `engine`. The generation worker starts and stops with the app's lifespan."""
+def create_app(engine, config: ServerConfig | None = None, thread: GenerationThread | None = None) -> FastAPI:
+    """The ASGI app serving `engine`. The generation worker starts and stops with the app's lifespan. `thread`:
+    the thread that built `engine` (`GenerationThread.call(build)`; serve/thread.py says why)."""
     config = config or ServerConfig()
-    server = Server(engine, config)
+    server = Server(engine, config, thread)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -21,6 +21,7 @@ from ..spec.decode import Finished
 from ..spec.verify import SamplingParams
 from .metrics import ServerMetrics
 from .schemas import APIError
+from .thread import GenerationThread
 from .worker import Progress, Worker, must_stop
 
 log = logging.getLogger("eaglespec.serve")
@@ -31,8 +32,9 @@ class BatchWorker(Worker):
     `Engine.batch_decoder`)."""
 
     def __init__(self, engine, metrics: ServerMetrics, max_queue: int = 64, timeout: float = 300.0,
-                 max_batch: int = 8, speculate: str = "auto", prefill_chunk: int = PREFILL_CHUNK):
-        super().__init__(engine, metrics, max_queue=max_queue, timeout=timeout)
+                 max_batch: int = 8, speculate: str = "auto", prefill_chunk: int = PREFILL_CHUNK,
+                 thread: GenerationThread | None = None):
+        super().__init__(engine, metrics, max_queue=max_queue, timeout=timeout, thread=thread)
         self.max_batch = max_batch
         self.batch = engine.batch_decoder(max_batch, speculate, prefill_chunk)
         self.jobs: dict[int, Progress] = {}  # the batch's requests by key

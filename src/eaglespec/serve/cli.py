@@ -85,19 +85,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..cli import build_engine
     from ..spec.batch import PREFILL_CHUNK
     from .app import ServerConfig, create_app
+    from .thread import GenerationThread
 
     api_key = args.api_key if args.api_key is not None else envs.api_key()
     if not _is_loopback(args.host) and not api_key:
         print(f"warning: serving on {args.host} without an API key: anyone who can reach this port can use it "
               f"(set --api-key or {API_KEY_ENV})", file=sys.stderr)
-    engine = build_engine(args)
+    thread = GenerationThread()  # every torch call of the server on one thread (serve/thread.py)
+    engine = thread.call(build_engine, args)
     max_batch = args.max_batch or default_max_batch(engine.target.device)
     config = ServerConfig(model_name=args.served_model_name or args.model, api_key=api_key,
                           max_queue=args.max_queue, timeout=args.timeout, max_tokens_limit=args.max_tokens_limit,
                           max_batch=max_batch, speculate=args.speculate,
                           prefill_chunk=args.prefill_chunk or PREFILL_CHUNK)
     prometheus_client.disable_created_metrics()  # no `*_created` series (as vLLM): this process is the server
-    app = create_app(engine, config)
+    app = create_app(engine, config, thread)
     print(f"eaglespec: serving '{config.model_name}' (method {engine.method}, batches of up to {max_batch}) on "
           f"http://{args.host}:{args.port}/v1"
           f"{' with an API key' if api_key else ''}", file=sys.stderr)

@@ -17,6 +17,8 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +27,7 @@ from ..errors import EagleSpecError
 from ..spec.decode import Finished, Step
 from .metrics import ServerMetrics
 from .schemas import APIError
+from .thread import GenerationThread
 
 log = logging.getLogger("eaglespec.serve")
 
@@ -125,9 +128,11 @@ def must_stop(job: Job, metrics: ServerMetrics, now: float) -> bool:
 
 
 class Worker(ABC):
-    """A bounded FIFO queue of jobs and the thread that runs them (`_run`)."""
+    """A bounded FIFO queue of jobs and the thread that runs them (`_run`): `thread`, the one that built the engine
+    (serve/thread.py says why), or a thread of its own."""
 
-    def __init__(self, engine, metrics: ServerMetrics, max_queue: int = 64, timeout: float = 300.0):
+    def __init__(self, engine, metrics: ServerMetrics, max_queue: int = 64, timeout: float = 300.0,
+                 thread: GenerationThread | None = None):
         if max_queue < 1:
             raise ValueError("max_queue must be at least 1")
         self.engine = engine
@@ -137,7 +142,8 @@ class Worker(ABC):
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._stopping = threading.Event()
         self._running = 0
-        self._thread = threading.Thread(target=self._run, name="eaglespec-generation", daemon=True)
+        self.thread = thread or GenerationThread()
+        self._loop: Future | None = None  # the running `_run`
 
     @abstractmethod
     def _run(self) -> None:
@@ -145,18 +151,22 @@ class Worker(ABC):
 
     # ---- control -----------------------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        self._loop = self.thread.submit(self._run)
 
     def stop(self, wait: float = 10.0) -> None:
-        """Stop taking jobs, fail the waiting ones, stop the running one at its next step, join the thread."""
+        """Stop taking jobs, fail the waiting ones, stop the running one at its next step, wait for the loop."""
         self._stopping.set()
-        if self._thread.is_alive():
-            self._thread.join(wait)
+        if self._loop is not None:
+            try:
+                self._loop.result(timeout=wait)
+            except FutureTimeout:
+                log.warning("the generation loop did not stop within %.0f s", wait)
         self._fail_waiting()
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping.is_set()
+        return (self._loop is not None and not self._loop.done() and self.thread.is_alive
+                and not self._stopping.is_set())
 
     @property
     def waiting(self) -> int:
