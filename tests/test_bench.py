@@ -239,7 +239,7 @@ def test_adapt_adds_an_adaptive_variant_sharing_the_engine(tmp_path):
     from eaglespec.api import Engine
     from eaglespec.drafters.autotree import TreeChoice, cache_path
     from eaglespec.heads import load_head
-    from eaglespec.spec.adaptive import PLAIN, AdaptiveDrafter
+    from eaglespec.spec.adaptive import PLAIN
 
     model, tok = make_model("llama"), TinyTokenizer()
     head1, _ = heads(model, tmp_path)
@@ -252,11 +252,7 @@ def test_adapt_adds_an_adaptive_variant_sharing_the_engine(tmp_path):
     ctx = MethodContext(model=model, tokenizer=tok, model_name="tiny", tree="auto", head_dir=head1,
                         eos_ids=eos_ids_of(model, tok), adapt=True)
     methods = build_methods(["eagle2"], ctx)
-    assert [m.name for m in methods] == ["vanilla", "eagle2", "eagle2+adapt"]
-    eagle2, adaptive = methods[1:]
-    assert adaptive.engine is eagle2.engine and isinstance(adaptive.drafter, AdaptiveDrafter)
-    assert not isinstance(eagle2.drafter, AdaptiveDrafter)
-    assert adaptive.settings["adapt"] == {"start": PLAIN, "timing": "median"}
+    check_adaptive_variant(methods, "eagle2", {"start": PLAIN, "timing": "median"})
     config = BenchConfig(dataset="tiny", max_new_tokens=MAX_NEW, repeats=1, warmup=0)
     run_benchmark(methods, QUESTIONS, encode, decode, config, tmp_path / "out", progress=False, command=["t"])
     rows = read_rows(tmp_path / "out" / RESULTS)
@@ -270,18 +266,23 @@ def test_adapt_adds_an_adaptive_variant_sharing_the_engine(tmp_path):
     assert first["drafted_forwards"] < first["target_forwards"]
 
 
+def check_adaptive_variant(methods: list, name: str, adapt: dict) -> None:
+    """`methods` are vanilla, `name` and its adaptive variant, which shares the engine and records `adapt`."""
+    from eaglespec.spec.adaptive import AdaptiveDrafter
+
+    assert [m.name for m in methods] == ["vanilla", name, f"{name}+adapt"]
+    fixed, adaptive = methods[1:]
+    assert adaptive.engine is fixed.engine and isinstance(adaptive.drafter, AdaptiveDrafter)
+    assert not isinstance(fixed.drafter, AdaptiveDrafter) and adaptive.settings["adapt"] == adapt
+
+
 def test_adapt_adds_adaptive_variants_of_the_chain_methods():
-    from eaglespec.spec.adaptive import DRAFT, AdaptiveDrafter
+    from eaglespec.spec.adaptive import DRAFT
 
     model, tok = make_model("llama"), TinyTokenizer()
     ctx = MethodContext(model=model, tokenizer=tok, model_name="tiny", tree="auto", eos_ids=eos_ids_of(model, tok),
                         adapt=True)
-    methods = build_methods(["pld"], ctx)
-    assert [m.name for m in methods] == ["vanilla", "pld", "pld+adapt"]
-    pld, adaptive = methods[1:]
-    assert adaptive.engine is pld.engine and isinstance(adaptive.drafter, AdaptiveDrafter)
-    assert not isinstance(pld.drafter, AdaptiveDrafter)
-    assert adaptive.settings["adapt"] == {"start": DRAFT, "timing": "mean"}
+    check_adaptive_variant(build_methods(["pld"], ctx), "pld", {"start": DRAFT, "timing": "mean"})
 
 
 def test_unknown_method_and_bad_sweep_are_clear_errors():
