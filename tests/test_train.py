@@ -392,6 +392,20 @@ def test_save_load_round_trip_gives_identical_outputs(tmp_path, data_file, targe
             assert torch.equal(head.logits(a, target.lm_head), loaded.logits(b, target.lm_head))
 
 
+def test_a_narrower_mlp_is_recorded_in_the_config_and_survives_save_and_export(tmp_path, data_file, target_model, tok):
+    head = Trainer(config(tmp_path, data_file, "eagle3", max_steps=2, intermediate_size=16), target_model, tok,
+                   progress=False).train()
+    assert target_model.config.intermediate_size != 16
+    assert head.config.intermediate_size == 16 and head.midlayer.mlp.up_proj.weight.shape[0] == 16
+    save_head(head, tmp_path / "ours")
+    export_head(tmp_path / "ours", tmp_path / "official", layout="official", weights="safetensors")
+    assert json.loads((tmp_path / "official" / "config.json").read_text())["intermediate_size"] == 16
+    back = load_head(tmp_path / "official", device=next(head.parameters()).device)
+    assert back.config.intermediate_size == 16
+    for (name, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("weights", ["safetensors", "bin"])
 def test_export_then_import_gives_identical_weights(tmp_path, data_file, target_model, tok, weights):
     head = trained_head(tmp_path, data_file, target_model, tok, "eagle3")

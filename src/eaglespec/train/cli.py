@@ -136,7 +136,7 @@ def cmd_head(args: argparse.Namespace) -> int:
         eval_size=args.eval_size, eval_every=args.eval_every, save_every=args.save_every, log_every=args.log_every,
         seed=args.seed, cache_features=args.cache_features, save_dtype=args.save_dtype,
         mixed_precision=args.mixed_precision, time_budget_min=args.time_budget, ce_vocab=args.ce_vocab,
-        init_head=args.init_head, reselect_vocab=args.reselect_vocab,
+        init_head=args.init_head, reselect_vocab=args.reselect_vocab, intermediate_size=args.intermediate_size,
     )
     model, tokenizer = load_target(args.model, dtype="float32")
     trainer = Trainer(config, model, tokenizer)
@@ -229,6 +229,8 @@ def register_head(sub) -> None:
     h.add_argument("--noise", type=float, default=None, help="input feature noise (default 0.1 EAGLE-1, 0 EAGLE-3)")
     h.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="EAGLE-3 reduced vocabulary size; EAGLE-1: the drafting subset written beside the head")
+    h.add_argument("--intermediate-size", type=int, default=None, metavar="N",
+                   help="the head's MLP width (default: the target's); a narrower MLP makes a smaller, faster head")
     h.add_argument("--ce-vocab", choices=["full", "draft"], default="full",
                    help="EAGLE-1 soft cross-entropy over the full vocabulary (the paper) or over the "
                         "--draft-vocab-size most frequent answer tokens it drafts from "

@@ -40,7 +40,7 @@ from .vocab import coverage, select_draft_vocab, token_counts
 
 # Settings that must not change when a run is resumed (they define the data order and the objective).
 RESUME_KEYS = ("kind", "data", "model", "max_length", "batch_size", "seed", "eval_size", "draft_vocab_size",
-               "ttt_steps", "epochs", "max_steps", "lr", "warmup_steps", "ce_vocab")
+               "ttt_steps", "epochs", "max_steps", "lr", "warmup_steps", "ce_vocab", "intermediate_size")
 
 
 @dataclass
@@ -64,6 +64,7 @@ class TrainConfig:
     ce_weight: float = 0.1
     ce_vocab: str = "full"  # EAGLE-1 soft CE over the "full" vocabulary or the "draft" subset (draft_vocab_size)
     draft_vocab_size: int = 8192  # EAGLE-3
+    intermediate_size: int | None = None  # the head's MLP width; None = the target's
     ttt_steps: int | None = None  # training-time test depth; None = 7 for EAGLE-3 (the paper), 1 for EAGLE-1
     eval_steps: int = 5  # accuracy reported at steps 1..eval_steps
     eval_size: int = 32  # held-out conversations
@@ -227,7 +228,8 @@ class Trainer:
             return self._initial_head(train)
         head_config = HeadConfig.for_target(
             self.target, c.kind, name=c.model,
-            draft_vocab_size=min(c.draft_vocab_size, self.target.vocab_size) if c.kind == "eagle3" else None)
+            draft_vocab_size=min(c.draft_vocab_size, self.target.vocab_size) if c.kind == "eagle3" else None,
+            **({"intermediate_size": c.intermediate_size} if c.intermediate_size else {}))
         torch.manual_seed(c.seed)
         head = build_head(head_config)
         if c.kind == "eagle3" or c.ce_vocab == "draft":  # EAGLE-1 with "draft": train over the subset it drafts from
