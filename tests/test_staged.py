@@ -1,7 +1,9 @@
-"""Staged speculative decoding's second stage (`staged`): the draft model verifies stage-2 guesses in one forward.
-Greedy output equals plain decoding; the drafts are the draft model's own greedy chain (those of `sps`) with fewer
-draft-model forwards when the guesses are right and no more when they are wrong; sampled output follows the target
-distribution (statistical test, with the power to catch a broken acceptance rule)."""
+"""Staged speculative decoding (`staged`): the draft model verifies stage-2 guesses in one forward, and its greedy
+chain with its likeliest alternatives forms a tree for the target. Greedy output equals plain decoding; the chain is
+the draft model's own greedy chain (that of `sps`) with fewer draft-model forwards when the guesses are right and no
+more when they are wrong; the tree's leaves are the draft model's ranked alternatives, kept by path probability;
+sampled output follows the target distribution (statistical test, with the power to catch a broken acceptance
+rule)."""
 
 from __future__ import annotations
 
@@ -23,12 +25,13 @@ from eaglespec.targets.hf import TargetModel
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
-@pytest.mark.parametrize("depth", [1, 3, 5])
-def test_greedy_output_equals_vanilla(arch, depth):
+@pytest.mark.parametrize("depth,top_k", [(1, 4), (3, 4), (5, 4), (5, 1)])
+def test_greedy_output_equals_vanilla(arch, depth, top_k):
     target, tok = make_model(arch, seed=0), TinyTokenizer()
     draft = make_model(arch, seed=1, layers=2)
     expected = vanilla(target, PROMPT * 3, 32)  # a repetitive prompt: prompt lookup has something to guess
-    engine = Engine.from_model(target, tok, method="staged", tree=TreeSettings(depth=depth), draft_hf_model=draft)
+    engine = Engine.from_model(target, tok, method="staged", tree=TreeSettings(depth=depth, top_k=top_k),
+                               draft_hf_model=draft)
     assert isinstance(engine.drafter, StagedDrafter)
     assert engine.drafter.rolls_back == (arch != "gemma3")  # gemma3: drafts as sps does, one token a forward
     assert engine.generate(PROMPT * 3, max_new_tokens=32).tokens == expected
@@ -61,7 +64,7 @@ def oracle_stage2(draft_model, wrong: bool = False):
 def test_drafts_are_the_draft_models_chain_in_fewer_forwards(arch, wrong):
     draft = make_model(arch, seed=1, layers=2)
     depth, guesses = 5, 4
-    staged = StagedDrafter(make_target(draft, feature_kind=None, exact=True), TreeSettings(depth=depth),
+    staged = StagedDrafter(make_target(draft, feature_kind=None, exact=True), TreeSettings(depth=depth, top_k=1),
                            stage2=oracle_stage2(draft, wrong), guesses=guesses)
     sps = DraftModelDrafter(make_target(draft, feature_kind=None, exact=True), TreeSettings(depth=depth))
     assert isinstance(staged.model, FastTarget)
@@ -85,6 +88,66 @@ def test_drafts_are_the_draft_models_chain_in_fewer_forwards(arch, wrong):
     assert staged.guesses_accepted == (0 if wrong else staged.guessed) and staged.guessed > 0
 
 
+def test_branched_chain_keeps_the_likeliest_nodes_as_a_tree():
+    import math
+
+    from eaglespec.drafters.staged import branched_chain
+
+    log = math.log
+    proposal = [10, 11, 12]
+    ranked = [([log(.5), log(.4), log(.1)], [10, 20, 21]),  # depth 1: chain .5, alternatives .4 and .1
+              ([log(.9), log(.1)], [11, 22]),  # depth 2: chain .45, alternative .05 (under chain node 10)
+              ([log(.6), log(.4)], [12, 23])]  # depth 3: chain .27, alternative .18 (under chain node 11)
+    tree = branched_chain(9, proposal, ranked, total_tokens=5)  # keeps .5, .45, .4, .27
+    assert tree.token_list() == [9, 10, 20, 11, 12] and tree.parents.tolist() == [-1, 0, 0, 1, 3]
+    assert [round(math.exp(v), 6) for v in tree.scores.tolist()] == [1.0, 0.5, 0.4, 0.45, 0.27]
+    tree = branched_chain(9, proposal, ranked, total_tokens=6)  # and .18, a sibling of the chain's last node
+    assert tree.token_list() == [9, 10, 20, 11, 12, 23] and tree.parents.tolist() == [-1, 0, 0, 1, 3, 3]
+    tree = branched_chain(9, proposal, ranked, total_tokens=3)  # a chain can lose its tail to a likelier branch
+    assert tree.token_list() == [9, 10, 11]  # .45 > .4
+    every = branched_chain(9, proposal, ranked, total_tokens=64)  # all 7 candidates, children chain first
+    assert every.token_list() == [9, 10, 20, 21, 11, 22, 12, 23]
+    assert every.parents.tolist() == [-1, 0, 0, 0, 1, 1, 4, 4]
+
+
+def test_the_tree_hangs_the_draft_models_likeliest_alternatives_off_its_chain():
+    import math
+
+    draft = make_model("llama", seed=1, layers=2)
+    depth, top_k, total = 4, 3, 9
+    ids = [4, 5, 6, 7]
+    tree_drafter = StagedDrafter(make_target(draft, feature_kind=None, exact=True),
+                                 TreeSettings(total_tokens=total, depth=depth, top_k=top_k),
+                                 stage2=oracle_stage2(draft), guesses=4)
+    chain_drafter = StagedDrafter(make_target(draft, feature_kind=None, exact=True),
+                                  TreeSettings(total_tokens=total, depth=depth, top_k=1),
+                                  stage2=oracle_stage2(draft), guesses=4)
+    sizes = [record_forwards(d) for d in (tree_drafter, chain_drafter)]
+    tree = tree_drafter.draft(torch.tensor(ids), None)
+    spine = chain_drafter.draft(torch.tensor(ids), None).token_list()[1:]
+    assert sizes[0] == sizes[1]  # the leaves cost no draft-model forward
+    assert spine == greedy_continuation(draft, ids, depth)
+    # every candidate from the draft model itself (transformers, no cache): its log-probabilities after ids + the
+    # chain so far; a leaf scores its chain parent's path plus its own
+    candidates, path = {}, 0.0
+    with torch.no_grad():
+        for d in range(depth):
+            logp = torch.log_softmax(draft(torch.tensor([ids + spine[:d]])).logits[0, -1].float(), -1)
+            top = torch.topk(logp, top_k)
+            for lp, t in zip(top.values.tolist(), top.indices.tolist()):
+                if t != spine[d]:
+                    candidates[tuple(spine[:d]) + (t,)] = path + lp
+            path += float(logp[spine[d]])
+            candidates[tuple(spine[: d + 1])] = path
+    best = sorted(candidates.values(), reverse=True)
+    assert best[total - 2] - best[total - 1] > 1e-4  # no near-tie at the cut (a fixed seed)
+    expected = {p for p, v in candidates.items() if v >= best[total - 2]}
+    got = {tuple(tree.token_list()[i] for i in tree.path(n)[1:]): float(tree.scores[n]) for n in range(1, len(tree))}
+    assert set(got) == expected and len(tree) == total
+    assert all(math.isclose(got[p], candidates[p], abs_tol=1e-4) for p in got)
+    assert tuple(spine[:1]) in got  # the chain's first node always stays (it outscores every other candidate)
+
+
 def test_guesses_past_the_chain_are_not_asked_for():
     draft = make_model("llama", seed=1, layers=2)
     asked: list[int] = []
@@ -93,7 +156,8 @@ def test_guesses_past_the_chain_are_not_asked_for():
         asked.append(length)
         return [1] * (length + 3)  # more than asked: cut to what fits the chain
 
-    staged = StagedDrafter(make_target(draft, feature_kind=None), TreeSettings(depth=3), stage2=stage2, guesses=8)
+    staged = StagedDrafter(make_target(draft, feature_kind=None), TreeSettings(depth=3, top_k=1), stage2=stage2,
+                           guesses=8)
     tree = staged.draft(torch.tensor([4, 5, 6]), None)
     assert len(tree) == 4 and all(0 <= n <= 1 for n in asked) and asked
     with pytest.raises(ValueError, match="guesses"):
@@ -101,8 +165,9 @@ def test_guesses_past_the_chain_are_not_asked_for():
 
 
 def sample_sequences(model, verifier, runs: int) -> list[tuple[int, ...]]:
-    # the target drafts for itself through the staged drafter: long accepted chains, so a wrong rule shows
-    drafter = StagedDrafter(make_target(model, feature_kind=None, exact=False), TreeSettings(depth=3),
+    # the target drafts for itself through the staged drafter: long accepted chains (and the tree's leaves where
+    # sampling leaves the chain), so a wrong rule shows
+    drafter = StagedDrafter(make_target(model, feature_kind=None, exact=False), TreeSettings(total_tokens=8, depth=3),
                             stage2=context_lookup(max_ngram=2), guesses=2)
     decoder = SpecDecoder(TargetModel(model, feature_kind=None), TinyTokenizer(), drafter, eos_token_ids=[],
                           sample_verifier=verifier)

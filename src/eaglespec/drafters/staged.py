@@ -11,6 +11,15 @@ What the target sees is unchanged in kind: a chain of the draft model's greedy t
 `DraftModelDrafter` wherever the draft model's multi-row steps give a row the bits of a one-token step, as they do
 on eaglespec's CPU kernels), verified like any other draft, so the output stays exactly plain decoding's, or its
 distribution when sampling. The stage costs only where guesses are wrong: a forward of 1 + g rows instead of 1.
+
+The first stage's speculative batch is a tree, the paper's other idea (with `top_k` > 1 in the tree settings, the
+default): the draft model's greedy chain is its spine, and every row that chose a chain token also ranks the draft
+model's other likely tokens there. Each of them is a leaf hanging off the chain one level up, the branch the target
+takes when it rejects the chain's token at that depth. Chain nodes and leaves compete for the `total_tokens` node
+budget by draft path probability (as EAGLE-2's reranking does): a leaf scores the chain's probability down to its
+parent times its own, so branching happens where the draft model is uncertain and where the chain is likely to be
+reached. The leaves cost no draft-model forward, only the draft model's full logits for the rows that chose chain
+tokens, and the target verifies them in the same pass. `top_k` = 1 drafts the bare chain.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ from .lookup import find_continuation
 
 # stage 2: (the tokens so far [L], how many to guess at most) -> guessed continuation (possibly empty)
 Stage2 = Callable[[Tensor, int], list[int]]
+# the draft model's likeliest tokens after one row: (log-probabilities [k], token ids [k]), the likeliest first
+Ranked = tuple[list[float], list[int]]
 
 
 def context_lookup(max_ngram: int = 3, min_ngram: int = 1) -> Stage2:
@@ -54,6 +65,24 @@ class StagedDrafter(DraftModelDrafter):
         self.guesses = guesses
         self.guessed = 0  # stage-2 tokens proposed so far
         self.guesses_accepted = 0  # of them, those the draft model agreed with
+        # the draft model's likely tokens after every row that chose a chain token, for the tree's leaves:
+        # (log-probabilities [k], token ids [k]) in chain order; empty when drafting bare chains (top_k = 1)
+        self._ranked: list[Ranked] = []
+
+    @property
+    def branches(self) -> int:
+        """Tokens ranked at each chain position (the chain's own and top_k - 1 alternatives); 1 = a bare chain."""
+        return self.settings.top_k if self.settings.choices is None else 1
+
+    def _run(self, rows: list[int], logits_rows: slice | None = None) -> tuple[list[int], list[Ranked]]:
+        """Forward `rows` on top of the draft cache; return the draft model's greedy token after each row of
+        `logits_rows` (all rows by default) and, when growing trees, its top tokens there (else an empty list)."""
+        out = self.model.forward(torch.tensor(rows), logits_rows=logits_rows, greedy=self.branches == 1)
+        if self.branches == 1:
+            return out.greedy(), []
+        logp = torch.log_softmax(out.logits, dim=-1)  # [r, V] float32
+        top = torch.topk(logp, min(self.branches, logp.shape[-1]), dim=-1)  # [r, k], the argmax first
+        return top.indices[:, 0].tolist(), list(zip(top.values.tolist(), top.indices.tolist()))
 
     def fork(self) -> "StagedDrafter":
         clone = super().fork()
@@ -66,8 +95,7 @@ class StagedDrafter(DraftModelDrafter):
         want = length - len(proposal)
         guess = self.stage2(torch.tensor(context + proposal), min(self.guesses, want - 1))[: max(want - 1, 0)]
         rows = proposal[-1:] + guess  # [1 + g]
-        out = self.model.forward(torch.tensor(rows), greedy=True)
-        greedy = out.greedy()  # the draft model's next token after each row
+        greedy, ranks = self._run(rows)  # the draft model's next token after each row
         accepted = 0
         while accepted < len(guess) and guess[accepted] == greedy[accepted]:
             accepted += 1
@@ -77,7 +105,17 @@ class StagedDrafter(DraftModelDrafter):
         self.guessed += len(guess)
         self.guesses_accepted += accepted
         self.seen.extend(rows[: accepted + 1])
+        self._ranked.extend(ranks[: accepted + 1])
         return greedy[: accepted + 1]
+
+    def _catch_up(self, tokens: list[int]) -> int:
+        """Run the committed tokens the cache lacks (root included) and keep their rows; return the first draft."""
+        greedy, ranks = self._run(tokens, logits_rows=slice(-1, None))
+        self.model.commit(None)
+        self.forwards += 1
+        self.seen.extend(tokens)
+        self._ranked.extend(ranks[-1:])
+        return greedy[-1]
 
     @torch.inference_mode()
     def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
@@ -89,7 +127,42 @@ class StagedDrafter(DraftModelDrafter):
         if length < 1:
             return DraftTree.root_only(root)
         start = self._sync(ids)
-        proposal = [self._next(ids[start:], keep=True)]  # catch up on the committed tokens, root included
+        self._ranked = []
+        proposal = [self._catch_up(ids[start:])]
         while len(proposal) < length:
             proposal.extend(self._extend(ids, proposal, length))
-        return chain([root] + proposal[:length])
+        proposal = proposal[:length]
+        if self.branches == 1:
+            return chain([root] + proposal)
+        return branched_chain(root, proposal, self._ranked[:length], self.settings.total_tokens)
+
+
+def branched_chain(root: int, proposal: list[int], ranked: list[Ranked], total_tokens: int) -> DraftTree:
+    """The draft tree of a chain and its alternatives: `proposal` [D] the chain below `root`; `ranked[i]`
+    (log-probabilities, tokens) the draft model's likely tokens at chain depth i + 1 (after the root and
+    proposal[:i]). Chain node i scores sum(log q(proposal[j]), j <= i); an alternative at depth i + 1 hangs off
+    chain node i - 1 (the root for i = 0) and scores that node's score plus its own log q. The best
+    `total_tokens - 1` nodes are kept. A node never outscores its parent and ties go to the shallower node, so
+    the kept nodes form a tree. Children are listed chain first, then alternatives from the likeliest."""
+    candidates: list[tuple[float, int, int, int]] = []  # (score, depth, rank: 0 = the chain's token, token)
+    score = 0.0
+    for depth, (token, (logps, tokens)) in enumerate(zip(proposal, ranked), start=1):
+        chain_logp = next((lp for lp, t in zip(logps, tokens) if t == token), None)
+        if chain_logp is None:  # the chain's token was not among the ranked ones (a tie at the top): keep the chain
+            chain_logp = logps[0]
+        alternatives = [(lp, t) for lp, t in zip(logps, tokens) if t != token]
+        for rank, (lp, t) in enumerate(alternatives, start=1):
+            candidates.append((score + lp, depth, rank, t))
+        score += chain_logp
+        candidates.append((score, depth, 0, token))
+    kept = sorted(candidates, key=lambda c: (-c[0], c[1], c[2]))[: max(total_tokens - 1, 0)]
+    kept.sort(key=lambda c: (c[1], c[2]))  # by depth, the chain's node first: parents precede children
+    tokens, parents, scores = [root], [-1], [0.0]
+    chain_nodes = [0]  # node index of the chain's node at each depth placed so far (the root at depth 0)
+    for score, depth, rank, token in kept:
+        parents.append(chain_nodes[depth - 1])  # placed already: it outscores its children, or ties shallower
+        tokens.append(token)
+        scores.append(score)
+        if rank == 0:
+            chain_nodes.append(len(tokens) - 1)
+    return DraftTree.from_lists(tokens, parents, scores)
