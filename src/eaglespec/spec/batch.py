@@ -82,7 +82,7 @@ class _Active:
         self.key, self.slot, self.seq, self.drafter, self.started = key, slot, seq, drafter, started
         self.prompt = torch.tensor(seq.prompt_ids)  # [P]
         self.read = 0  # prompt rows in the slot's cache
-        self.features: list[torch.Tensor] = []  # the target features of those rows, piece by piece (EAGLE heads)
+        self.pieces: list[TargetOutput] = []  # the target features of those rows, piece by piece (EAGLE heads)
 
 
 class BatchDecoder:
@@ -188,15 +188,15 @@ class BatchDecoder:
     def _prefilled(self, e: _Active, out: TargetOutput, events: list, report: StepReport) -> None:
         """A piece of `e`'s prompt was read (`out`: its forward's output); at the prompt's end, the first token."""
         self.pool[e.slot].commit()
-        if out.features is not None and e.seq.drafter.needs_features:
-            e.features.append(out.features)
+        if not e.seq.drafter.needs_features:
+            out = TargetOutput(out.head_logits, None, out.greedy_tokens, out.argmax_rows)
         if e.read < e.prompt.numel():
+            e.pieces.append(TargetOutput(None, out.features))  # the features only: no head rows before the last
             return
         del self.prefilling[e.key]
-        features = torch.cat(e.features) if e.features else None  # [P, F]: as one forward of the prompt gives them
-        e.features = []
-        e.seq.start(TargetOutput(out.head_logits, features, out.greedy_tokens, out.argmax_rows),
-                    time.perf_counter() - e.started)
+        # features [P, F] as one forward of the prompt gives them; the last piece's head
+        e.seq.start(TargetOutput.join(e.pieces + [out], heads="last"), time.perf_counter() - e.started)
+        e.pieces = []
         report.prefills += 1
         self._emit(e, events, report)
         if not e.seq.done:

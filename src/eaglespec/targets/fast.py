@@ -308,21 +308,14 @@ class FastTarget(TargetModel):
                 logits_rows: Tensor | slice | None = None, greedy: bool = False) -> TargetOutput:
         """`TargetModel.forward`; `greedy`: where the target has a `greedy_head` (the bfloat16 kernels), return the
         greedy token of each row (`TargetOutput.greedy_tokens`) instead of the logits."""
-        if self._pending:
-            raise RuntimeError("commit() the previous forward before running another one")
         tokens = tokens.to(self.device)
         n, c = tokens.numel(), self.cache_len
-        if positions is None:
-            positions = torch.arange(c, c + n, device=self.device)
-        positions = positions.to(self.device)
         if self.tree_kernel and tree_mask is None and n > MAX_STEP_ROWS and logits_rows in (None, slice(-1, None)):
-            return self._forward_pieces(tokens, positions, logits_rows, greedy)
-        top = int(positions.max())
-        if top >= self.max_context:
-            raise EagleSpecError(f"sequence reaches position {top}, beyond the model's context of {self.max_context}")
-        if c + n > self.capacity or top >= self.capacity:
-            # Rows, not positions: a tree near the end of the context may need more rows than positions.
-            self._grow(max(min(self.max_context, 2 * self.capacity), c + n, top + 1))
+            if self._pending:
+                raise RuntimeError("commit() the previous forward before running another one")
+            positions = torch.arange(c, c + n) if positions is None else positions
+            return self._forward_pieces(tokens, positions.to(self.device), logits_rows, greedy)
+        positions = self.make_room(n, positions)
         step_rows = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_() if tree_mask is None \
             else tree_mask.to(self.device)  # [n, n]: the step rows each row sees (the cached ones it sees all)
         # Row-invariant steps: for each query row, the end of the cache slice it sees, or its path of step rows.
@@ -395,6 +388,22 @@ class FastTarget(TargetModel):
             return torch.cat([by_layer[i] for i in layers], dim=-1)  # [n, 3d]
         return None
 
+    def make_room(self, n: int, positions: Tensor | None) -> Tensor:
+        """Before a step of `n` rows at `positions` (None: the next n), with the previous step committed: check
+        the positions fit the model's context and grow the cache to hold the rows. Returns the positions [n] on the
+        target's device."""
+        if self._pending:
+            raise RuntimeError("commit() the previous forward before running another one")
+        c = self.cache_len
+        positions = (torch.arange(c, c + n) if positions is None else positions).to(self.device)
+        top = int(positions.max())
+        if top >= self.max_context:
+            raise EagleSpecError(f"sequence reaches position {top}, beyond the model's context of {self.max_context}")
+        if c + n > self.capacity or top >= self.capacity:
+            # Rows, not positions: a tree near the end of the context may need more rows than positions.
+            self._grow(max(min(self.max_context, 2 * self.capacity), c + n, top + 1))
+        return positions
+
     def _forward_pieces(self, tokens: Tensor, positions: Tensor, logits_rows: slice | None,
                         greedy: bool) -> TargetOutput:
         """A long prompt's forward as pieces of MAX_STEP_ROWS rows, each committed but the last (as `forward`
@@ -405,12 +414,7 @@ class FastTarget(TargetModel):
                 self.commit()
             piece = slice(start, start + MAX_STEP_ROWS)
             outs.append(self.forward(tokens[piece], positions[piece], None, logits_rows=logits_rows, greedy=greedy))
-        features = None if outs[-1].features is None else torch.cat([o.features for o in outs])
-        if logits_rows is not None:  # the last row's head only
-            return TargetOutput(outs[-1].head_logits, features, outs[-1].greedy_tokens, self.kernels.argmax_rows)
-        logits = None if outs[-1].head_logits is None else torch.cat([o.head_logits for o in outs])
-        best = None if outs[-1].greedy_tokens is None else torch.cat([o.greedy_tokens for o in outs])
-        return TargetOutput(logits, features, best, self.kernels.argmax_rows)
+        return TargetOutput.join(outs, heads="all" if logits_rows is None else "last")  # else: the last row's head
 
 
 def make_target(model, feature_kind: str | None = "final", backend: str = "auto",

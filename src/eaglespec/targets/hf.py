@@ -54,6 +54,19 @@ class TargetOutput:
             return self.greedy_tokens.tolist()
         return self.argmax_rows(self.head_logits).tolist()
 
+    @classmethod
+    def join(cls, pieces: list["TargetOutput"], heads: str = "all") -> "TargetOutput":
+        """One output for an input read as consecutive pieces (`pieces`: their forwards' outputs, in order): the
+        features of every row, and the logits or greedy tokens of every row (`heads="all"`) or of the last
+        piece's rows only (`heads="last"`: earlier pieces may have computed none)."""
+        last = pieces[-1]
+        features = None if last.features is None else torch.cat([p.features for p in pieces])  # [sum n, F]
+        if heads == "last":
+            return cls(last.head_logits, features, last.greedy_tokens, last.argmax_rows)
+        logits = None if last.head_logits is None else torch.cat([p.head_logits for p in pieces])
+        best = None if last.greedy_tokens is None else torch.cat([p.greedy_tokens for p in pieces])
+        return cls(logits, features, best, last.argmax_rows)
+
 
 class TargetModel:
     """A causal LM with a tree-aware KV cache. One sequence at a time (batch size 1)."""

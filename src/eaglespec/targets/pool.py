@@ -116,15 +116,8 @@ def _forward_together(targets: list[FastTarget], steps: list[SlotStep], greedy: 
     kernel = all(t.tree_kernel for t in targets)  # every slot's attention in one kernel call per layer
     tokens, cos, sin, attends, sizes, masks = [], [], [], [], [], []
     for t, s in zip(targets, steps):
-        if t._pending:
-            raise RuntimeError("commit() the previous forward of every slot before running another one")
         c, n = t.cache_len, s.tokens.numel()
-        positions = (torch.arange(c, c + n) if s.positions is None else s.positions).to(t.device)
-        top = int(positions.max())
-        if top >= t.max_context:
-            raise EagleSpecError(f"sequence reaches position {top}, beyond the model's context of {t.max_context}")
-        if c + n > t.capacity or top >= t.capacity:
-            t._grow(max(min(t.max_context, 2 * t.capacity), c + n, top + 1))
+        positions = t.make_room(n, s.positions)  # [n]
         step_rows = None
         if n > 1:
             step_rows = (torch.ones(n, n, dtype=torch.bool).tril_() if s.tree_mask is None else s.tree_mask)
@@ -172,18 +165,18 @@ def _forward_together(targets: list[FastTarget], steps: list[SlotStep], greedy: 
     # logits, as their batch-1 steps get it: the argmax of the bfloat16 logits can differ), the others' logits.
     head_rows, start = [], 0  # per slot, its rows of [N] that need a head
     for s, n in zip(steps, sizes):
-        rows = torch.arange(start, start + n)
-        head_rows.append(rows if s.logits_rows is None else rows[s.logits_rows])
+        head_rows.append(range(start, start + n)[s.logits_rows if s.logits_rows is not None else slice(None)])
         start += n
     found: dict[bool, tuple[Tensor | None, Tensor | None]] = {}  # greedy or not -> (logits, tokens) of its rows
     for kind in set(greedy):
-        rows = torch.cat([r for r, g in zip(head_rows, greedy) if g == kind]).to(last.device)
-        found[kind] = lead.heads(last[rows], kind)
+        rows = [i for r, g in zip(head_rows, greedy) if g == kind for i in r]
+        wanted = last if len(rows) == last.shape[0] else last[torch.tensor(rows, device=last.device)]  # [R, d]
+        found[kind] = lead.heads(wanted, kind)
     outputs, start, taken = [], 0, {kind: 0 for kind in found}
     for t, n, g, rows in zip(targets, sizes, greedy, head_rows):
         logits, best = found[g]
-        picked = slice(taken[g], taken[g] + rows.numel())
-        taken[g] += rows.numel()
+        picked = slice(taken[g], taken[g] + len(rows))
+        taken[g] += len(rows)
         t._pending = n
         outputs.append(TargetOutput(logits=None if logits is None else logits[picked],
                                     features=None if features is None else features[start : start + n],
