@@ -29,6 +29,7 @@ from eaglespec.bench.report import (
     PLOT_SWEEP,
     PLOT_TAU,
     SUMMARY,
+    overall,
     write_report,
 )
 from eaglespec.bench.runner import RESULTS, RUN_INFO, BenchConfig, run_benchmark
@@ -151,6 +152,31 @@ def test_vanilla_tau_is_one_and_lossless_methods_equal_vanilla(run):
             assert len(r["acceptance_per_depth"]) >= 1
     sps = [r for r in rows if r["variant"] == "sps"]
     assert all(r["tau"] >= 1.0 for r in sps)
+
+
+def test_rows_report_draft_work_and_the_weights_read_a_token(run):
+    out, methods, _ = run
+    rows = read_rows(out / RESULTS)
+    target_bytes = {r["target_weight_bytes"] for r in rows if r["kind"] == "ours" and r["variant"] != "altered"}
+    assert len(target_bytes) == 1 and target_bytes.pop() > 0  # one target, whatever drafts for it
+    draft = next(m for m in methods if m.name == "sps").engine.drafter.forward_bytes
+    for r in rows:
+        if r["kind"] != "ours" or r["variant"] == "altered":
+            continue
+        verify = r["target_forwards"] * r["target_weight_bytes"]
+        if r["variant"] == "vanilla":  # plain decoding reads the target once a token: traffic 1.0
+            assert r["draft_forwards"] == 0 and r["weight_bytes"] == verify == (r["new_tokens"] - 1) * \
+                r["target_weight_bytes"]
+        elif r["variant"] in ("sps", "staged"):  # the draft model's forwards on top, each reading all its weights
+            assert r["draft_forwards"] > 0 and r["weight_bytes"] == verify + r["draft_forwards"] * draft
+        elif r["variant"] in ("eagle2", "chain", "eagle1", "eagle3"):  # the head's forwards, lighter than the target's
+            assert r["draft_forwards"] >= r["target_forwards"] and r["weight_bytes"] > verify
+        if r["variant"] == "staged":
+            assert 0 <= r["stage2_accepted"] <= r["stage2_guessed"]
+    summaries = {s.variant: s for s in overall(rows)}
+    assert summaries["vanilla"].traffic == 1.0 and summaries["vanilla"].draft_forwards_per_pass == 0
+    assert summaries["sps"].traffic > 0 and summaries["sps"].draft_forwards_per_pass > 0
+    assert "## Draft work and memory traffic" in (out / "summary.md").read_text()
 
 
 def test_the_equality_check_flags_an_output_altered_on_purpose(run):

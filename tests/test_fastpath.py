@@ -88,3 +88,19 @@ def test_targets_of_one_model_and_plan_share_their_packed_weights():
     changed = FastTarget(model, "final")
     assert changed.layers is not first.layers
     assert FastTarget(model, "final").layers is changed.layers
+
+
+def test_weight_bytes_count_what_a_forward_reads_as_stored():
+    model = make_model("qwen2", seed=0)  # float32, untied LM head
+    params = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    assert TargetModel(model).weight_bytes() == 4 * (params - embedding)  # the embedding is read a row at a time
+    fast = make_target(model, feature_kind=None, exact=False)
+    assert fast.weight_bytes() == 4 * (params - embedding)  # fused and packed: the same bytes
+    int8 = make_target(model, feature_kind=None, quantize="int8").weight_bytes()
+    linear = sum(m.weight.numel() for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and "lm_head" not in name)
+    assert int8 < fast.weight_bytes() - 2 * linear  # a byte a layer weight (plus scales) instead of four
+    tied = make_model("llama", seed=0)
+    tied.lm_head.weight = tied.get_input_embeddings().weight  # an LM head that is the embedding: read whole
+    assert TargetModel(tied).weight_bytes() == 4 * sum(p.numel() for p in tied.parameters())

@@ -7,6 +7,8 @@ rule)."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from conftest import TinyTokenizer, make_model
@@ -146,6 +148,30 @@ def test_the_tree_hangs_the_draft_models_likeliest_alternatives_off_its_chain():
     assert set(got) == expected and len(tree) == total
     assert all(math.isclose(got[p], candidates[p], abs_tol=1e-4) for p in got)
     assert tuple(spine[:1]) in got  # the chain's first node always stays (it outscores every other candidate)
+
+
+def test_generation_stats_count_draft_forwards_guesses_and_the_weights_read(capsys):
+    from eaglespec.cli import _stream_to_terminal
+
+    target, tok = make_model("qwen2", seed=0), TinyTokenizer()
+    draft = make_model("qwen2", seed=1, layers=2)
+    engine = Engine.from_model(target, tok, method="staged", tree=TreeSettings(depth=4), draft_hf_model=draft)
+    drafter = engine.drafter
+    before = drafter.forwards
+    s = engine.generate(PROMPT * 3, max_new_tokens=24).stats
+    assert s.draft_forwards == drafter.forwards - before > 0
+    assert s.stage2_guessed == drafter.guessed > 0 and s.stage2_accepted == drafter.guesses_accepted <= s.stage2_guessed
+    target_bytes, draft_bytes = engine.target.weight_bytes(), drafter.model.weight_bytes()
+    assert s.target_weight_bytes == target_bytes and draft_bytes < target_bytes  # a 2-layer draft, a 4-layer target
+    assert s.weight_bytes == s.target_forwards * target_bytes + s.draft_forwards * draft_bytes
+    assert s.traffic == s.weight_bytes / ((s.new_tokens - 1) * target_bytes)
+    plain = Engine.from_model(target, tok, method="vanilla").generate(PROMPT * 3, max_new_tokens=24).stats
+    assert plain.traffic == 1.0 and plain.draft_forwards == 0
+    # the generate command's stats line
+    _stream_to_terminal(engine, PROMPT * 3, argparse.Namespace(max_new_tokens=24, temperature=0.0, top_p=1.0, top_k=0,
+                                                               seed=None, stop=None, system=None, raw=True))
+    line = capsys.readouterr().err
+    assert "draft forwards a step" in line and "guesses accepted" in line and "x plain decoding's" in line
 
 
 def test_guesses_past_the_chain_are_not_asked_for():

@@ -257,8 +257,15 @@ def _stream_to_terminal(engine, prompt, args) -> object:
     s = result.stats
     drafted = (f", {s.drafted_forwards} of {s.target_forwards} steps drafted"
                if engine.method != "vanilla" and s.drafted_forwards < s.target_forwards else "")
+    work = ""
+    if s.draft_forwards and s.target_forwards:
+        work += f", {s.draft_forwards / s.target_forwards:.2f} draft forwards a step"
+    if s.stage2_guessed:
+        work += f", stage 2 {s.stage2_accepted}/{s.stage2_guessed} guesses accepted"
+    if s.traffic is not None and engine.method != "vanilla":
+        work += f", weights read a token {s.traffic:.2f}x plain decoding's"
     print(f"[{s.new_tokens} tokens in {s.total_time:.2f}s: {s.tokens_per_s:.1f} tokens/s, tau {s.tau:.2f}, "
-          f"method {engine.method}{drafted}, {s.finish_reason}]", file=sys.stderr)
+          f"method {engine.method}{drafted}{work}, {s.finish_reason}]", file=sys.stderr)
     return result
 
 

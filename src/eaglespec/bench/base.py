@@ -36,6 +36,11 @@ class RunOutput:
     draft_time: float | None = None
     verify_time: float | None = None
     peak_rss_mb: float | None = None  # a method run in another process: that process's peak (else the bench's)
+    draft_forwards: int | None = None  # forwards of the draft model or head
+    stage2_guessed: int | None = None  # staged: stage-2 tokens proposed to the draft model
+    stage2_accepted: int | None = None  # of them, those the draft model agreed with
+    weight_bytes: int | None = None  # weights read by the verify and draft forwards (GenerationStats)
+    target_weight_bytes: int | None = None  # weights one target forward reads
 
 
 @dataclass
@@ -86,4 +91,6 @@ class LoopMethod(BenchMethod):
                          drafted_forwards=s.drafted_forwards,
                          drafted_per_depth=list(s.drafted_per_depth), accepted_per_depth=list(s.accepted_per_depth),
                          accept_lengths=list(s.accept_lengths), prefill_time=s.prefill_time,
-                         draft_time=s.draft_time, verify_time=s.verify_time)
+                         draft_time=s.draft_time, verify_time=s.verify_time, draft_forwards=s.draft_forwards,
+                         stage2_guessed=s.stage2_guessed, stage2_accepted=s.stage2_accepted,
+                         weight_bytes=s.weight_bytes, target_weight_bytes=s.target_weight_bytes or None)

@@ -21,7 +21,8 @@ REQUIRED_FIELDS = {
     "new_tokens": int, "wall_time": (int, float), "tokens_per_s": (int, float),
 }
 OPTIONAL_NUMBER_FIELDS = ("tau", "speedup", "target_forwards", "drafted_forwards", "draft_time", "verify_time",
-                          "prefill_time", "peak_rss_mb", "wall_time_min", "wall_time_max")
+                          "prefill_time", "peak_rss_mb", "wall_time_min", "wall_time_max", "draft_forwards",
+                          "stage2_guessed", "stage2_accepted", "weight_bytes", "target_weight_bytes")
 
 
 def representative(runs: list[RunOutput]) -> int:
@@ -73,6 +74,11 @@ def make_row(method, question, turn: int, prompt_tokens: int, runs: list[RunOutp
         "draft_time": rep.draft_time,
         "verify_time": rep.verify_time,
         "peak_rss_mb": max(peaks_mb) if peaks_mb else None,
+        "draft_forwards": rep.draft_forwards,
+        "stage2_guessed": rep.stage2_guessed,
+        "stage2_accepted": rep.stage2_accepted,
+        "weight_bytes": rep.weight_bytes,
+        "target_weight_bytes": rep.target_weight_bytes,
         "sweep": method.sweep,
         "equal_to_vanilla": None,
         "first_mismatch": None,
@@ -138,6 +144,9 @@ class Summary:
     verify_share: float | None  # verify forwards, prefill included
     peak_rss_mb: float | None
     sweep: dict | None
+    draft_forwards_per_pass: float | None = None  # draft-model or head forwards per target forward
+    stage2_acceptance: float | None = None  # staged: share of stage-2 guesses the draft model agreed with
+    traffic: float | None = None  # weights read per token, as a share of plain decoding's (GenerationStats)
 
 
 def _sum(values: Iterable[float | None]) -> float | None:
@@ -179,6 +188,12 @@ def summarise(rows: list[dict], variant: str, baseline: dict[tuple, dict] | None
     verify = _sum((r.get("verify_time") or 0.0) + (r.get("prefill_time") or 0.0)
                   if r.get("verify_time") is not None else None for r in rows)
     peaks = [r["peak_rss_mb"] for r in rows if r.get("peak_rss_mb") is not None]
+    forwards = _sum(r.get("target_forwards") for r in rows)
+    drafts = _sum(r.get("draft_forwards") for r in rows)
+    guessed, agreed = _sum(r.get("stage2_guessed") for r in rows), _sum(r.get("stage2_accepted") for r in rows)
+    read = _sum(r.get("weight_bytes") for r in rows)
+    plain = _sum(None if r.get("target_weight_bytes") is None  # one target forward a token after the prefill's
+                 else max(r["new_tokens"] - 1, 0) * r["target_weight_bytes"] for r in rows)
     return Summary(
         variant=variant, method=rows[0]["method"], kind=rows[0]["kind"], prompts=len(rows), new_tokens=tokens,
         wall_time=wall, tokens_per_s=tokens / wall if wall > 0 else 0.0,
@@ -188,6 +203,9 @@ def summarise(rows: list[dict], variant: str, baseline: dict[tuple, dict] | None
         draft_share=None if draft is None or wall <= 0 else draft / wall,
         verify_share=None if verify is None or wall <= 0 else verify / wall,
         peak_rss_mb=max(peaks) if peaks else None, sweep=rows[0].get("sweep"),
+        draft_forwards_per_pass=None if drafts is None or not forwards else drafts / forwards,
+        stage2_acceptance=None if not guessed else agreed / guessed,
+        traffic=None if read is None or not plain else read / plain,
     )
 
 

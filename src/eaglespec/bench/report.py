@@ -125,6 +125,16 @@ def markdown(rows: list[dict], info: dict | None) -> str:
                         [[s.variant] + [_pct(a) for a in s.acceptance_per_depth]
                          + ["-"] * (depth - len(s.acceptance_per_depth)) for s in accepting])
         lines += [""]
+    work = [s for s in summaries if s.traffic is not None or s.draft_forwards_per_pass]
+    if work:
+        lines += ["## Draft work and memory traffic", "",
+                  "Draft forwards (of the draft model or head) and stage-2 guesses the draft model accepted, per "
+                  "target forward; weights read per generated token as a share of plain decoding's (its one target "
+                  "forward a token), as staged speculative decoding's paper reports it.", ""]
+        lines += _table(["method", "draft forwards / target forward", "stage-2 acceptance", "weights read / token"],
+                        [[s.variant, _f(s.draft_forwards_per_pass), _pct(s.stage2_acceptance),
+                          _f(s.traffic, suffix="x")] for s in work])
+        lines += [""]
     swept = [s for s in summaries if s.sweep]
     if swept:
         key = next(iter(swept[0].sweep))

@@ -7,7 +7,8 @@
 - autotree.py: the tree choice of `--tree auto` / `calibrate` (per-CPU-class defaults, cached calibration)
 """
 
-from .base import DRAFT_MODEL_METHODS, HEAD_METHODS, METHODS, Drafter, TreeSettings, VanillaDrafter
+from .base import DRAFT_MODEL_METHODS, HEAD_METHODS, METHODS, Drafter, DraftWork, TreeSettings, VanillaDrafter
 from .eagle import EagleDrafter, TreeGrowth
 
-__all__ = ["DRAFT_MODEL_METHODS", "HEAD_METHODS", "METHODS", "Drafter", "EagleDrafter", "TreeGrowth", "TreeSettings", "VanillaDrafter"]
+__all__ = ["DRAFT_MODEL_METHODS", "HEAD_METHODS", "METHODS", "Drafter", "DraftWork", "EagleDrafter", "TreeGrowth",
+           "TreeSettings", "VanillaDrafter"]

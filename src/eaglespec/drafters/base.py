@@ -4,7 +4,7 @@ which proposes nothing (root only), so plain decoding runs through the very same
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from torch import Tensor
 
@@ -14,6 +14,19 @@ from ..spec.tree import DraftTree
 METHODS = ("eagle2", "eagle1", "chain", "vanilla", "pld", "sps", "staged")
 HEAD_METHODS = ("eagle2", "eagle1", "chain")  # methods that draft with an EAGLE head
 DRAFT_MODEL_METHODS = ("sps", "staged")  # methods that draft with a smaller model sharing the tokenizer
+
+
+@dataclass(frozen=True)
+class DraftWork:
+    """What a drafter has done since it was made (cumulative; subtract two to get a generation's share)."""
+
+    forwards: int = 0  # forwards of its draft model or head
+    weight_bytes: int = 0  # bytes of weights those forwards read (targets.traffic)
+    guessed: int = 0  # stage-2 tokens proposed to the draft model (staged)
+    guesses_accepted: int = 0  # of them, those the draft model agreed with
+
+    def __sub__(self, other: "DraftWork") -> "DraftWork":
+        return DraftWork(*(a - b for a, b in zip(astuple(self), astuple(other))))
 
 
 class Drafter:
@@ -29,6 +42,10 @@ class Drafter:
 
     def reset(self) -> None:
         """Forget the sequence (called before each new generation)."""
+
+    def work(self) -> DraftWork:
+        """Its forwards, weight bytes read and stage-2 guesses so far (none for a drafter without a model)."""
+        return DraftWork()
 
     def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
         raise NotImplementedError

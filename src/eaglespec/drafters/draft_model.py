@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..spec.tree import DraftTree, chain
 from ..targets.hf import TargetModel
-from .base import Drafter, TreeSettings
+from .base import Drafter, DraftWork, TreeSettings
 
 _EMPTY = torch.zeros(0, dtype=torch.long)
 
@@ -46,6 +46,7 @@ class DraftModelDrafter(Drafter):
         # can drop committed rows: drafted tokens then stay in the cache instead of being re-run at every step
         self.rolls_back = callable(getattr(self.model, "truncate", None))
         self.forwards = 0  # draft-model forwards so far (each round's cost, for tests and benchmarks)
+        self.forward_bytes = self.model.weight_bytes()  # weights one draft-model forward reads
         self.reset()
 
     @property
@@ -60,6 +61,9 @@ class DraftModelDrafter(Drafter):
         clone.forwards = 0
         clone.reset()
         return clone
+
+    def work(self) -> DraftWork:
+        return DraftWork(self.forwards, self.forwards * self.forward_bytes)
 
     def reset(self) -> None:
         self.model.reset()

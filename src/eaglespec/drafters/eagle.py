@@ -11,7 +11,8 @@ from torch import Tensor
 
 from ..heads.base import DraftHead
 from ..spec.tree import EAGLE1_CHOICES, DraftTree, validate_choices
-from .base import Drafter, TreeSettings
+from ..targets.traffic import tensor_bytes
+from .base import Drafter, DraftWork, TreeSettings
 
 
 class EagleDrafter(Drafter):
@@ -36,7 +37,18 @@ class EagleDrafter(Drafter):
         self.settings = settings or TreeSettings()
         self.name = {"dynamic": "eagle2", "static": "eagle1", "chain": "chain"}[mode]
         self.choices = validate_choices(self.settings.choices or EAGLE1_CHOICES) if mode == "static" else None
+        self.forwards = 0  # head forwards so far: each round's catch-up and one per tree level
+        self.forward_bytes: int | None = None  # weights one head forward reads (`work`)
         self.reset()
+
+    def work(self) -> DraftWork:
+        if self.forward_bytes is None:  # once, as the head runs (a backend packs its products on first use)
+            lm = 0
+            if getattr(self.head, "vocab_ids", False) is None:  # EAGLE-1 over the full vocabulary: the target's
+                w = self.lm_head.weight  # [V, d]
+                lm = w.numel() * w.element_size()
+            self.forward_bytes = tensor_bytes(self.head) + lm
+        return DraftWork(self.forwards, self.forwards * self.forward_bytes)
 
     def reset(self) -> None:
         self.cache = self.head.new_cache()
@@ -56,6 +68,7 @@ class EagleDrafter(Drafter):
         mask = torch.ones(k, start + k, dtype=torch.bool, device=features.device)
         mask[:, start:] = torch.ones(k, k, dtype=torch.bool, device=features.device).tril_()
         out = self.step(hidden, self.embed_tokens(ids), positions, self.cache, mask)  # [k, d]
+        self.forwards += 1
         self.cache.commit()
         self.consumed += k
         return out[-1]
@@ -136,6 +149,7 @@ class TreeGrowth:
                 cols.append(committed + (prior + row if a is None else self.entry[a]))
         mask[rows, cols] = True
         out = d.step(hidden, d.embed_tokens(ids), positions, d.cache, mask)  # [k, d]
+        d.forwards += 1
         for row, n in enumerate(nodes):
             self.entry[n] = prior + row
             self.out_hidden[n] = out[row]

@@ -24,6 +24,7 @@ tokens, and the target verifies them in the same pass. `top_k` = 1 drafts the ba
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -31,7 +32,7 @@ from torch import Tensor
 
 from ..spec.tree import DraftTree, chain
 from ..targets.hf import TargetModel
-from .base import TreeSettings
+from .base import DraftWork, TreeSettings
 from .draft_model import DraftModelDrafter
 from .lookup import find_continuation
 
@@ -83,6 +84,9 @@ class StagedDrafter(DraftModelDrafter):
         logp = torch.log_softmax(out.logits, dim=-1)  # [r, V] float32
         top = torch.topk(logp, min(self.branches, logp.shape[-1]), dim=-1)  # [r, k], the argmax first
         return top.indices[:, 0].tolist(), list(zip(top.values.tolist(), top.indices.tolist()))
+
+    def work(self) -> DraftWork:
+        return dataclasses.replace(super().work(), guessed=self.guessed, guesses_accepted=self.guesses_accepted)
 
     def fork(self) -> "StagedDrafter":
         clone = super().fork()

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..drafters import DRAFT_MODEL_METHODS, Drafter
+from ..drafters import DRAFT_MODEL_METHODS, Drafter, DraftWork
 from .tree import DraftTree
 
 DRAFT, PLAIN = "draft", "plain"
@@ -138,6 +138,9 @@ class AdaptiveDrafter(Drafter):
         self.last_mode: str | None = None
         self.last_length = 0  # tokens (committed + root) at the last call
         self.timed = False  # whether the round that ends at the next call is to be timed
+
+    def work(self) -> DraftWork:
+        return self.inner.work()
 
     def fork(self) -> "AdaptiveDrafter":
         """`Drafter.fork`: the inner drafter forked, a fresh copy of the policy."""

@@ -166,7 +166,7 @@ class BatchDecoder:
         drafter = self.drafters[slot]
         drafter.reset()
         seq = Sequence(prompt_ids, max_new_tokens, sampling, self.tokenizer, stop, self.eos, drafter,
-                       self.sample_verifier)
+                       self.sample_verifier, self.pool[slot].weight_bytes())  # traffic as if it ran alone
         self.prefilling[key] = _Active(key, slot, seq, drafter, time.perf_counter())
 
     def _prompt_pieces(self, decoding: bool) -> list[tuple[_Active, int]]:

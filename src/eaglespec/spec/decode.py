@@ -49,6 +49,11 @@ class GenerationStats:
     accept_lengths: list[int] = field(default_factory=list)  # accepted + 1 per verify forward
     drafted_per_depth: list[int] = field(default_factory=list)  # [d-1]: verify steps whose tree reached depth d
     accepted_per_depth: list[int] = field(default_factory=list)  # [d-1]: of those, steps that accepted depth d
+    draft_forwards: int = 0  # forwards of the draft model or head (staged: the draft model's, not stage 2's)
+    stage2_guessed: int = 0  # staged: tokens stage 2 proposed to the draft model
+    stage2_accepted: int = 0  # of them, those the draft model agreed with
+    weight_bytes: int = 0  # weights read by the verify and draft forwards (the prefill excluded)
+    target_weight_bytes: int = 0  # weights one target forward reads (0: not known)
     prefill_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
@@ -63,6 +68,15 @@ class GenerationStats:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_time if self.total_time > 0 else 0.0
+
+    @property
+    def traffic(self) -> float | None:
+        """Weights read per token the verify forwards produced, as a share of plain decoding's (one target forward
+        a token: 1.0); the memory traffic of staged speculative decoding's paper. None where not known."""
+        produced = self.new_tokens - 1  # the first token comes from the prefill
+        if not self.target_weight_bytes or produced < 1:
+            return None
+        return self.weight_bytes / (produced * self.target_weight_bytes)
 
     def acceptance_per_depth(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_depth, self.drafted_per_depth)]
@@ -167,11 +181,14 @@ class Sequence:
     output), then `emit` -> `draft` -> (the target's forward) -> `accept` until `emit` says `done`, then `finish`."""
 
     def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams, tokenizer,
-                 stop: list[str] | None, eos: set[int], drafter: Drafter, sample_verifier=verify_sample):
+                 stop: list[str] | None, eos: set[int], drafter: Drafter, sample_verifier=verify_sample,
+                 target_bytes: int = 0):
+        """`target_bytes`: the weights one target forward reads (`TargetModel.weight_bytes`; 0 = not known)."""
         self.prompt_ids, self.max_new_tokens, self.sampling = prompt_ids, max_new_tokens, sampling
         self.eos, self.drafter, self.sample_verifier = eos, drafter, sample_verifier
         self.gen = None if sampling.greedy else sampling.generator()
-        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), target_weight_bytes=target_bytes)
+        self.work_before = drafter.work()  # the drafter's counters before this sequence
         self.text = TextStream(tokenizer, stop or [])
         self.generated: list[int] = []
         # prompt + generated tokens, written in place as they are emitted (a tensor built from the whole list on
@@ -235,6 +252,7 @@ class Sequence:
         self.accepted, self.tree_size, self.tree_depth = verdict.accepted_tokens, len(tree), tree.max_depth
         stats = self.stats
         stats.target_forwards += 1
+        stats.weight_bytes += stats.target_weight_bytes
         stats.drafted_forwards += self.tree_size > 1
         stats.record(self.accepted, self.tree_depth)
         tokens = tree.token_list()
@@ -248,6 +266,9 @@ class Sequence:
         self.stats.verify_time += verify_time
 
     def finish(self, total_time: float) -> Finished:
+        work = self.drafter.work() - self.work_before
+        self.stats.draft_forwards, self.stats.weight_bytes = work.forwards, self.stats.weight_bytes + work.weight_bytes
+        self.stats.stage2_guessed, self.stats.stage2_accepted = work.guessed, work.guesses_accepted
         self.stats.new_tokens = len(self.generated)
         self.stats.total_time = total_time
         return Finished(self.generated, self.text.released, self.stats)
@@ -270,7 +291,7 @@ class SpecDecoder:
     def new_sequence(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams,
                      stop: list[str] | None, drafter: Drafter) -> Sequence:
         return Sequence(prompt_ids, max_new_tokens, sampling, self.tokenizer, stop, self.eos, drafter,
-                        self.sample_verifier)
+                        self.sample_verifier, self.target.weight_bytes())
 
     def stream(
         self,
@@ -283,9 +304,9 @@ class SpecDecoder:
         self.check_request(len(prompt_ids), max_new_tokens)
         target, drafter = self.target, self.drafter
         t_start = time.perf_counter()
-        seq = self.new_sequence(prompt_ids, max_new_tokens, sampling, stop, drafter)
         target.reset()
         drafter.reset()
+        seq = self.new_sequence(prompt_ids, max_new_tokens, sampling, stop, drafter)
 
         # Prefill: the target reads the prompt and chooses the first new token (the first root); only the last row
         # needs logits (a whole prompt's rows through the LM head cost ~7 ms for 70 tokens on 2 cores).

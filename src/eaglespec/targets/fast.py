@@ -43,6 +43,7 @@ from ..backends.cpu.apply import check_quantize, plan_target
 from ..errors import EagleSpecError
 from .hf import TargetModel, TargetOutput
 from .layers import Linear, decoder_layer, rms_norm, write_and_attend
+from .traffic import tensor_bytes
 
 SUPPORTED = ("llama", "qwen2")
 # a longer prompt is read in pieces of this many rows where that gives the same bits (the kernels' attention): the
@@ -134,6 +135,7 @@ class FastTarget(TargetModel):
         self.layers, self.logits_head, self.greedy_head, self.q4_matrices = built[1][key]
         k.q4_matrices = self.q4_matrices  # layer matrices read as exact 4-bit blocks
         self.final_norm = self.decoder.norm.weight.detach()
+        self._weight_bytes: int | None = None  # weight_bytes(), counted once
         self.stack = None  # the compiled layers (decode steps), with --compile
         self.compiled_steps = 0  # forwards that ran through it
         if self.compiled:
@@ -174,6 +176,13 @@ class FastTarget(TargetModel):
 
     def backend_signature(self) -> str:
         return self.kernels.signature()
+
+    def weight_bytes(self) -> int:
+        """`TargetModel.weight_bytes` of the weights this plan runs (packed, quantized or 4-bit blocks): the distinct
+        tensors its layers, final norm and LM head hold."""
+        if self._weight_bytes is None:
+            self._weight_bytes = tensor_bytes(self.layers, self.final_norm, self.logits_head)
+        return self._weight_bytes
 
     # ---- static cache --------------------------------------------------------------------------------
     def _grow(self, capacity: int) -> None:

@@ -100,6 +100,13 @@ class TargetModel:
         """What the costs of this target's steps depend on beyond its weights and shape (a cache key)."""
         return "transformers"
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weights one forward reads, as stored: every parameter but the input embedding, of which a
+        forward reads only its tokens' rows (unless the LM head is the same tensor)."""
+        embedding = self.embed_tokens.weight
+        tied = getattr(self.lm_head, "weight", None) is embedding
+        return sum(p.numel() * p.element_size() for p in self.model.parameters() if tied or p is not embedding)
+
     def sibling(self) -> "TargetModel":
         """Another target of the same model and settings with its own, empty KV cache (the weights are shared):
         the slots of a batch (eaglespec.targets.pool)."""
