@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import VOCAB, TinyTokenizer, make_cpu_model
 from test_engine import random_head
-from test_sampling import PARAMS, PROMPT as SAMPLING_PROMPT, RUNS, WorstFirstDrafter, accept_first_in_support
-from test_sampling import chi_square_p_value
+from test_sampling import PARAMS, RUNS, WorstFirstDrafter, accept_first_in_support, chi_square_p_value
+from test_sampling import PROMPT as SAMPLING_PROMPT
 
 from eaglespec import Engine, TreeSettings
 from eaglespec.backends.cpu import kernels as bf16gemm

@@ -12,8 +12,14 @@ import argparse
 import pytest
 import torch
 from conftest import TinyTokenizer, make_model
-from test_sampling import PARAMS, PROMPT as SAMPLING_PROMPT, RUNS, accept_first_in_support, chi_square_p_value
-from test_sampling import model_and_exact  # noqa: F401 (a fixture: the tiny target and its exact distribution)
+from test_sampling import (
+    PARAMS,
+    RUNS,
+    accept_first_in_support,
+    chi_square_p_value,
+    model_and_exact,  # noqa: F401 (a fixture: the tiny target and its exact distribution)
+)
+from test_sampling import PROMPT as SAMPLING_PROMPT
 from test_sps import PROMPT, record_forwards, vanilla
 
 from eaglespec.api import Engine
