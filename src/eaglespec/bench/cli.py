@@ -126,7 +126,7 @@ def _check(args: argparse.Namespace) -> None:
 def _head_dirs(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
     from ..models import shipped_head_dir
 
-    head = shipped_head_dir(args.model, "eagle1") if args.head == "auto" else Path(args.head)
+    head = shipped_head_dir(args.model) if args.head == "auto" else Path(args.head)  # the model's preferred head
     head3 = shipped_head_dir(args.model, "eagle3") if args.head3 == "auto" else Path(args.head3)
     for folder, flag in ((head, "--head"), (head3, "--head3")):
         if folder is not None and not (folder / "config.json").is_file():

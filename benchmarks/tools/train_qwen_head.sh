@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# How the EAGLE-3 head shipped for Qwen2.5-Coder-1.5B-Instruct (src/eaglespec/shipped_heads/qwen2.5-coder-1.5b-eagle3/)
+# was made, on a 2-vCPU AMD EPYC (Zen 3, AVX2) VM, 2026-11-27. Each numbered step is one run, in the order they ran.
+# Working files go to runs/qwen/ (ignored by git). Run from the repository root after the README's install and
+# `pip install "eaglespec[qwen2.5-coder]"`.
+set -euo pipefail
+mkdir -p runs/qwen/head1
+
+# 1. Self-distillation: the 1.5B answers ShareGPT prompts (code conversations two to one) with llama.cpp on its GGUF
+#    file; resumable, committed as it grows (data/qwen2.5-coder-1.5b/, whose README has the exact commands).
+#    The first head was trained on the first 544 answers.
+gunzip -c data/qwen2.5-coder-1.5b/answers.jsonl.gz | head -n 544 > runs/qwen/head1/answers-544.jsonl
+
+# 2. Target features cached once (1.4 GiB, 47 minutes at 2 threads, float32), then 55 minutes of training at 2
+#    threads: EAGLE-3, 3 unrolled draft steps, 8192-token draft vocabulary, an MLP of width 2048 instead of the
+#    target's 8960 (a 38M-parameter head, 76 MB in bfloat16), 16 conversations held out.
+eaglespec train head --kind eagle3 --model qwen2.5-coder-1.5b --data runs/qwen/head1/answers-544.jsonl \
+  --out runs/qwen/head1/eagle3 --max-length 768 --eval-size 16 --cache-features runs/qwen/head1/features \
+  --eval-steps 5 --batch-size 4 --lr 8e-4 --warmup-steps 50 --epochs 100 --eval-every 200 --save-every 100 \
+  --save-dtype bfloat16 --threads 2 --draft-vocab-size 8192 --ttt-steps 3 --intermediate-size 2048 --time-budget 55
