@@ -2,8 +2,8 @@
 # How the first EAGLE-3 head for Qwen2.5-Coder-1.5B-Instruct was trained, on a 2-vCPU AMD EPYC (Zen 3, AVX2) VM,
 # 2026-11-27 (not shipped: it drafts too weakly yet). Each numbered step is one run, in the order they ran.
 # Result: held-out top-1 accuracy at draft steps 1-5 of 0.527 / 0.467 / 0.419 / 0.318 / 0.255 (16 held-out
-# answers, 2,860 tokens; 670 optimizer steps); on 2 HumanEval prompts x 128 tokens, tau 1.20 / 1.29 / 1.63 and
-# 0.98x / 0.50x / 0.45x plain decoding's speed with EAGLE-2 trees of 2 / 4 / 8 nodes (depth 4, top-k 2), there.
+# answers, 2,860 tokens; 670 optimizer steps); on 2 HumanEval prompts x 128 tokens, tau 1.28 / 1.41 / 1.47 and
+# 0.98x / 0.50x / 0.44x plain decoding's speed with EAGLE-2 trees of 2 / 4 / 8 nodes (depth 4, top-k 2), there.
 # Working files go to runs/qwen/ (ignored by git). Run from the repository root after the README's install and
 # `pip install "eaglespec[qwen2.5-coder]"`.
 set -euo pipefail
