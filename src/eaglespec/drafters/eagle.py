@@ -42,13 +42,13 @@ class EagleDrafter(Drafter):
         self.reset()
 
     def work(self) -> DraftWork:
-        if self.forward_bytes is None:  # once, as the head runs (a backend packs its products on first use)
+        if self.forward_bytes is None and self.forwards:  # once the head has run (a backend packs on first use)
             lm = 0
             if getattr(self.head, "vocab_ids", False) is None:  # EAGLE-1 over the full vocabulary: the target's
                 w = self.lm_head.weight  # [V, d]
                 lm = w.numel() * w.element_size()
             self.forward_bytes = tensor_bytes(self.head) + lm
-        return DraftWork(self.forwards, self.forwards * self.forward_bytes)
+        return DraftWork(self.forwards, self.forwards * (self.forward_bytes or 0))
 
     def reset(self) -> None:
         self.cache = self.head.new_cache()

@@ -252,7 +252,6 @@ class Sequence:
         self.accepted, self.tree_size, self.tree_depth = verdict.accepted_tokens, len(tree), tree.max_depth
         stats = self.stats
         stats.target_forwards += 1
-        stats.weight_bytes += stats.target_weight_bytes
         stats.drafted_forwards += self.tree_size > 1
         stats.record(self.accepted, self.tree_depth)
         tokens = tree.token_list()
@@ -267,7 +266,8 @@ class Sequence:
 
     def finish(self, total_time: float) -> Finished:
         work = self.drafter.work() - self.work_before
-        self.stats.draft_forwards, self.stats.weight_bytes = work.forwards, self.stats.weight_bytes + work.weight_bytes
+        self.stats.draft_forwards = work.forwards
+        self.stats.weight_bytes = self.stats.target_forwards * self.stats.target_weight_bytes + work.weight_bytes
         self.stats.stage2_guessed, self.stats.stage2_accepted = work.guessed, work.guesses_accepted
         self.stats.new_tokens = len(self.generated)
         self.stats.total_time = total_time
