@@ -1,7 +1,8 @@
 """eaglespec's C++ kernels at an older git revision against the working tree's, interleaved in one process.
 
     python benchmarks/microbench/kernel_ab.py --rev 823231a~1 [--threads 2] [--rows 1,4,6,8,12,16]
-        [--contexts 100,250,400] [--repeats 15] [--variant 0|1]
+        [--contexts 100,250,400] [--repeats 15] [--variant 0|1] [--shapes qwen2.5-coder-1.5b --layers 6]
+        [--no-attention]
 
 Both versions are built from the per-ISA layout (csrc/common/, csrc/avx512/, csrc/avx2/, one kernels.cpp per build;
 src/eaglespec/backends/cpu/csrc/ since git 823231a, src/eaglespec/csrc/ from e9119e2 until then; older revisions of
@@ -26,12 +27,19 @@ from ab_kernels import build
 
 from eaglespec.backends.cpu import kernels
 
+# hidden, intermediate, fused q/k/v outputs, vocabulary, layers of the models whose products a step can time
+SHAPES = {"smollm2-135m": (576, 1536, 960, 49152, 30), "qwen2.5-coder-1.5b": (1536, 8960, 2048, 151936, 28)}
+
 p = argparse.ArgumentParser()
 p.add_argument("--rev", required=True, help="the git revision to compare against (e.g. a commit before a change)")
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--rows", default="1,4,6,8,12,16")
 p.add_argument("--contexts", default="100,250,400")
 p.add_argument("--repeats", type=int, default=15)
+p.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2-135m",
+               help="whose products a step multiplies (qwen2.5-coder-1.5b: 3.1 GB of weights, packed twice)")
+p.add_argument("--layers", type=int, default=None, help="this many layers instead of all the model's (+ LM head)")
+p.add_argument("--no-attention", action="store_true", help="time the products only")
 p.add_argument("--variant", type=int, choices=sorted(kernels.VARIANTS.values()), default=None,
                help="the products' multiply loop in both versions (0 vdpbf16ps, AVX-512 build only; 1 float32 FMA); "
                     "default: the build's first (AVX-512: 0, AVX2: 1)")
@@ -56,12 +64,18 @@ rows = [int(v) for v in args.rows.split(",")]
 # keys go transposed ([kv_heads, head_dim, capacity]) to a kernel whose schema names them keys_t
 transposed = {name: ops.tree_attention.default._schema.arguments[1].name == "keys_t" for name, ops in versions.items()}
 torch.manual_seed(0)
-d, inter, qkv, vocab, layers = 576, 1536, 960, 49152, 30
+d, inter, qkv, vocab, layers = SHAPES[args.shapes]
+layers = args.layers or layers
 shapes = [(qkv, d), (d, d), (2 * inter, d), (d, inter)] * layers + [(vocab, d)]
-weights = [torch.randn(n, k).bfloat16() * 0.05 for n, k in shapes]
-packs = {name: [ops.bf16_pack(w) for w in weights] for name, ops in versions.items()}
-print(f"\nall products of a step (121, 269 MB), {ISA.name} build, {loops[variant]} loop, {args.threads} threads, "
-      f"median ms of {args.repeats}, rev {args.rev} against the working tree")
+packs = {name: [] for name in versions}
+for n, k in shapes:  # one random weight at a time: only the packed copies stay
+    w = torch.randn(n, k).bfloat16() * 0.05
+    for name, ops in versions.items():
+        packs[name].append(ops.bf16_pack(w))
+megabytes = sum(n * k * 2 for n, k in shapes) / 1e6
+print(f"\nall products of a step ({args.shapes}, {layers} layers: {len(shapes)}, {megabytes:.0f} MB), {ISA.name} build, "
+      f"{loops[variant]} loop, {args.threads} threads, median ms of {args.repeats}, rev {args.rev} against the working "
+      "tree")
 print("| rows | old | new | same bits |")
 print("|---|---|---|---|")
 for m in rows:
@@ -77,6 +91,8 @@ for m in rows:
     same = all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"]))
     print(f"| {m} | {statistics.median(times['old']):.2f} | {statistics.median(times['new']):.2f} | {same} |")
 
+if args.no_attention:
+    raise SystemExit(0)
 heads, kv_heads, hd, capacity = 9, 3, 64, 1024
 keys = [torch.randn(kv_heads, capacity, hd).bfloat16() for _ in range(layers)]
 values = [torch.randn(kv_heads, capacity, hd).bfloat16() for _ in range(layers)]
