@@ -53,7 +53,7 @@ def test_matches_the_product_and_is_row_invariant(n, k, with_bias, variant):
     # sum's own error (K terms)
     bound = exact.abs() * 2**-8 + 1e-5 * k * (x.float().abs() @ weight.float().abs().T)
     assert ((whole.float() - exact).abs() <= bound).all()
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 16):  # every path, tile size and split
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16):  # every path, tile size and split
         part = linear(x[:rows])
         assert torch.equal(part, whole[:rows]), f"rows of a {rows}-row call differ from the 17-row call"
     assert torch.equal(linear(x[9:10]), whole[9:10])

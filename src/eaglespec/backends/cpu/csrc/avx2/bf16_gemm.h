@@ -9,12 +9,14 @@
 //
 // Register tiles for 16 ymm registers: one row takes a group's 64 columns at once (8 accumulators); two rows run two
 // tiles of 2 rows x 32 columns that take turns over blocks of 32 k-pairs of a group (8 KB, in L1 after the first
-// tile reads it), four rows four tiles of 4 x 16; three and five or more widen each block to float32 once and run
-// tiles of up to 3 rows x 32 columns over it (widened_part). Either way the weights stream from memory once per call,
-// prefetched into L2 four blocks ahead at an even pace: in the widened path the first tile of a block prefetches one
-// line per k, so the loads to L2 overlap the arithmetic instead of coming in bursts while a block is widened (all
-// products of a Qwen2.5-Coder-1.5B step on a 2-core Zen 3 VM, kernel_ab.py: 3 rows 58 -> 40 ms, 4 rows 84 -> 51,
-// 8 rows 112 -> 85; one and two rows unchanged at 34 and 36).
+// tile reads it); 4-8 rows tiles of up to 6 rows x 16 columns (4 + 3 and 4 + 4 for 7 and 8) the same way, widening
+// in registers (12 accumulators at most); 3 rows and 9 or more widen each block to float32 once and run tiles of up
+// to 3 rows x 32 columns over it (widened_part). Either way the weights stream from memory once per call, prefetched
+// into L2 four blocks ahead at an even pace: in the widened path the first tile of a block prefetches one line per k,
+// so the loads to L2 overlap the arithmetic instead of coming in bursts while a block is widened. All products of 6
+// layers + LM head of Qwen2.5-Coder-1.5B on a 2-core Zen 3 VM (kernel_ab.py --shapes qwen2.5-coder-1.5b --layers 6,
+// medians in ms, this layout against the earlier one with widened tiles from 3 rows on and no far prefetch there):
+// 3 rows 58 -> 40, 4: 84 -> 51, 5: 98 -> 49, 8: 112 -> 65-77; one and two rows unchanged (34, 36).
 
 #pragma once
 
@@ -35,7 +37,7 @@ template <int ROWS, int V>
 void tile_part(const float* x, int64_t ldx, const uint16_t* group, int64_t col0, int64_t p0, int64_t p1,
                float* acc_mem) {
   __m256 acc[ROWS][V];
-#pragma GCC unroll 2
+#pragma GCC unroll 6
   for (int r = 0; r < ROWS; ++r)
 #pragma GCC unroll 8
     for (int v = 0; v < V; ++v)
@@ -53,14 +55,14 @@ void tile_part(const float* x, int64_t ldx, const uint16_t* group, int64_t col0,
         _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + line * 32), _MM_HINT_T0);
       }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int r = 0; r < ROWS; ++r) {
       const __m256 even = _mm256_broadcast_ss(x + r * ldx + 2 * p);
 #pragma GCC unroll 8
       for (int v = 0; v < V; ++v)
         acc[r][v] = _mm256_fmadd_ps(even, _mm256_castsi256_ps(_mm256_slli_epi32(raw[v], 16)), acc[r][v]);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int r = 0; r < ROWS; ++r) {
       const __m256 odd = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
 #pragma GCC unroll 8
@@ -68,10 +70,22 @@ void tile_part(const float* x, int64_t ldx, const uint16_t* group, int64_t col0,
         acc[r][v] = _mm256_fmadd_ps(odd, _mm256_castsi256_ps(_mm256_and_si256(raw[v], high)), acc[r][v]);
     }
   }
-#pragma GCC unroll 2
+#pragma GCC unroll 6
   for (int r = 0; r < ROWS; ++r)
 #pragma GCC unroll 8
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc_mem + r * kGroup + col0 + v * kLanes, acc[r][v]);
+}
+
+// Rows [0, rows) of x, 3 <= rows <= 6, as one tile of 16 columns (tile_part).
+void narrow_rows(int64_t rows, const float* x, int64_t ldx, const uint16_t* group, int64_t col0, int64_t p0,
+                 int64_t p1, float* acc_mem) {
+  switch (rows) {
+    case 3: return tile_part<3, 2>(x, ldx, group, col0, p0, p1, acc_mem);
+    case 4: return tile_part<4, 2>(x, ldx, group, col0, p0, p1, acc_mem);
+    case 5: return tile_part<5, 2>(x, ldx, group, col0, p0, p1, acc_mem);
+    case 6: return tile_part<6, 2>(x, ldx, group, col0, p0, p1, acc_mem);
+    default: TORCH_CHECK(false, "bf16_linear: narrow tile of ", rows, " rows");
+  }
 }
 
 // Calls of 3 or more rows: a block of k-pairs of a group is widened to float32 once ([2 kb][64] floats, k-major, 16
@@ -191,11 +205,14 @@ inline void multiply_group(const Tiles& tiling, const uint16_t*, const float* xf
       for (int64_t col0 = 0; col0 < kGroup; col0 += kGroup / 2)
         tile_part<2, 4>(xf, ldx, group, col0, p0, p1, acc);
     }
-  } else if (m == 4) {  // four tiles of 4 rows x 16 columns take turns over blocks of k-pairs
+  } else if (m >= 4 && m <= 8) {  // tiles of m (or 4 + m - 4) rows x 16 columns take turns over blocks of k-pairs
+    const int64_t first = m <= 6 ? m : 4;
     for (int64_t p0 = 0; p0 < k_pairs; p0 += kBlock) {
       const int64_t p1 = std::min(k_pairs, p0 + kBlock);
-      for (int64_t col0 = 0; col0 < kGroup; col0 += kGroup / 4)
-        tile_part<4, 2>(xf, ldx, group, col0, p0, p1, acc);
+      for (int64_t col0 = 0; col0 < kGroup; col0 += kGroup / 4) {
+        narrow_rows(first, xf, ldx, group, col0, p0, p1, acc);
+        if (m > first) narrow_rows(m - first, xf + first * ldx, ldx, group, col0, p0, p1, acc + first * kGroup);
+      }
     }
   } else {  // blocks widened once, then near-equal tiles of up to 3 rows x 32 columns
     for (int64_t p0 = 0; p0 < k_pairs; p0 += kBlock) {
