@@ -92,11 +92,11 @@ class Engine:
         device = parse_device(device)
         # (dtype auto: bfloat16 wherever eaglespec's bfloat16 kernels run)
         dtype = parse_dtype(dtype, device, bf16_kernels=cpu_kernels.available(torch.bfloat16, device))
-        hf_model, tokenizer = load_target(model, dtype=dtype, device=device)
+        hf_model, tokenizer = load_target(model, dtype=dtype, device=device, one_copy=True)
         self.notice = ""
         self.ngram = ngram
         head_module = None
-        self.draft_hf_model = (load_target(draft_model, dtype=dtype, device=device)[0]
+        self.draft_hf_model = (load_target(draft_model, dtype=dtype, device=device, one_copy=True)[0]
                                if method in DRAFT_MODEL_METHODS else None)
         if method in HEAD_METHODS:
             head_dir = shipped_head_dir(model) if head == "auto" else (Path(head) if head else None)

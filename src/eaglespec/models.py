@@ -23,6 +23,7 @@ from . import chunked
 from .chunked import ChunkedFile, numbered_parts
 from .errors import EagleSpecError, MissingPackageError
 from .platform import cache_root, parse_device, parse_dtype
+from .targets import source
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -291,12 +292,17 @@ def _ensure_converted(folder: Path, gguf: str, spec: ModelSpec | None) -> Path:
 
 
 def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
-                device: str | torch.device = "cpu"):
+                device: str | torch.device = "cpu", one_copy: bool = False):
     """Load a causal LM and its tokenizer: `(model, tokenizer)`, the model in eval mode with frozen weights, on
     `device` (see `parse_device`).
 
     GGUF files are dequantized once into a cached transformers copy (see `cache_root`, `ModelSpec.cache_dtype`),
-    keyed by the file's content, and `dtype` is loaded from that."""
+    keyed by the file's content, and `dtype` is loaded from that.
+
+    `one_copy`: a fast target built on the model releases its decoder-layer matrices once it holds its own copy
+    (eaglespec.targets.source), so the weights are in memory once. The model's own forward (and so `generate`) reads
+    them back from the checkpoint first; code that reads them directly (`state_dict`, `save_pretrained`, a deep
+    copy) must call `eaglespec.targets.source.restore(model)` before."""
     import transformers
 
     device = parse_device(device)
@@ -310,6 +316,8 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "f
     except (OSError, ValueError) as exc:
         raise EagleSpecError(f"could not load model from '{folder}': {exc}") from exc
     model.to(device).eval().requires_grad_(False)
+    if one_copy:
+        source.track(model, Path(folder))  # a fast target may release its matrices and read them back from here
     return model, tokenizer
 
 

@@ -5,15 +5,19 @@ A leaf module: it imports nothing else of eaglespec but `errors` and `envs`, so 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform as _system
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 
 from . import envs
 from .errors import EagleSpecError
+
+_MADV_DONTNEED = 4  # <sys/mman.h> on Linux
 
 
 def _cpuinfo_field(name: str) -> str | None:
@@ -112,3 +116,36 @@ def cache_root() -> Path:
 def cpu_compiler_available() -> bool:
     """True where torch.compile's CPU backend finds a C++ compiler."""
     return any(c and shutil.which(c) for c in (os.environ.get("CXX"), "g++", "c++", "clang++"))
+
+
+def evict_mapped_pages(address: int, nbytes: int, files: list[Path], equal_to_file: bool = False) -> int:
+    """Linux: take the whole pages inside bytes [address, address + nbytes) out of this process's resident set where
+    they lie in a mapping of one of `files` (as torch maps a safetensors checkpoint) that is read-only, or private
+    and `equal_to_file` (the caller has compared the bytes with the file's: a page written since would go back to
+    the file's bytes). Nothing is lost: the pages are read back from the file if touched again; only the resident
+    size changes. Returns the bytes evicted (0 where the range is not such a mapping, or on another system)."""
+    if nbytes <= 0 or not sys.platform.startswith("linux"):
+        return 0
+    names = {str(path.resolve()) for path in files}
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                span, perms = fields[0], fields[1]
+                start, end = (int(v, 16) for v in span.split("-"))
+                if start <= address < end:
+                    mapped = len(fields) == 6 and fields[5].strip() in names and address + nbytes <= end
+                    if not mapped or ("w" in perms and not (perms[3] == "p" and equal_to_file)):
+                        return 0
+                    break
+            else:
+                return 0
+    except OSError:
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = -(-address // page) * page, (address + nbytes) // page * page  # whole pages inside the range
+    if last <= first:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return last - first if libc.madvise(first, last - first, _MADV_DONTNEED) == 0 else 0

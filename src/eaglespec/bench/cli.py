@@ -170,8 +170,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     device = parse_device(args.device)
     dtype = parse_dtype(args.dtype, device, bf16_kernels=cpu_kernels.available(torch.bfloat16, device))
-    model, tokenizer = load_target(args.model, dtype=dtype, device=device)
-    draft = load_target(args.draft_model, dtype=dtype, device=device)[0] if args.draft_model else None
+    model, tokenizer = load_target(args.model, dtype=dtype, device=device, one_copy=True)
+    draft = load_target(args.draft_model, dtype=dtype, device=device, one_copy=True)[0] if args.draft_model else None
     ctx = MethodContext(model=model, tokenizer=tokenizer, model_name=args.model, tree=tree, head_dir=head,
                         head3_dir=head3, draft_model=draft, dtype=dtype,
                         threads=torch.get_num_threads(), eos_ids=eos_ids_of(model, tokenizer),

@@ -27,6 +27,7 @@ import torch
 from ..drafters import TreeSettings
 from ..errors import EagleSpecError, MissingPackageError
 from ..spec.adaptive import ADAPTIVE_CHAINS, DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy, chain_policy
+from ..targets import source
 from .base import BenchMethod, LoopMethod, RunOutput, Sampling, cut_after_eos
 from .oracle import OracleMethod
 from .peers import PEER_PROCESS_METHODS, PeerOptions, build_peer_method, peer_unavailable
@@ -239,6 +240,7 @@ def peer_model(model):
     parameter = next(model.parameters())
     half = parameter.dtype in (torch.bfloat16, torch.float16)
     if parameter.device.type == "cpu" and half and not cpu_has_native_bf16():
+        source.restore(model)  # (matrices a fast target released: a deep copy reads them directly)
         return copy.deepcopy(model).float()
     return model
 

@@ -347,17 +347,23 @@ def machine_key() -> str:
     return f"{cpu}|{os.cpu_count()}cpu|{torch.get_num_threads()}threads|torch{torch.__version__}"
 
 
-def _fingerprint(module: torch.nn.Module) -> str:
-    """A cheap identity for a set of weights: shapes plus a few sums."""
+def _fingerprint(module: torch.nn.Module, layer_matrices: bool = True) -> str:
+    """A cheap identity for a set of weights: every tensor's name and shape, and for the first 64 the sum of their
+    first 65,536 values (so a large matrix is not read whole, nor held as float32), without a target's decoder-layer
+    matrices where `layer_matrices` is False (a fast target releases those: eaglespec.targets.source)."""
     h = hashlib.sha1()
-    for name, t in sorted(module.state_dict().items())[:64]:
-        h.update(f"{name}{tuple(t.shape)}{t.dtype}{float(t.float().sum()):.6e}".encode())
+    summed = 0
+    for name, t in sorted(module.state_dict().items()):
+        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+        if summed < 64 and (layer_matrices or not (t.dim() == 2 and ".layers." in f".{name}")):
+            h.update(f"{float(t.flatten()[:65536].float().sum()):.6e}".encode())
+            summed += 1
     return h.hexdigest()[:16]
 
 
 def _target_key(target: TargetModel) -> str:
-    return "|".join([str(VERSION), _fingerprint(target.model), type(target).__name__, str(target.dtype),
-                     target.backend_signature(),
+    return "|".join([str(VERSION), _fingerprint(target.model, layer_matrices=False), type(target).__name__,
+                     str(target.dtype), target.backend_signature(),
                      getattr(target.config, "_name_or_path", ""), str(target.num_layers), str(target.hidden_size),
                      machine_key()])
 

@@ -4,7 +4,9 @@ Why it is faster than calling the transformers model: a pre-allocated KV cache w
 accepted path (no concatenation or gathering of whole caches per step), fused QKV and gate/up matrices (3 matmuls
 fewer per layer), RoPE tables computed once, a boolean mask built once per step, and little Python per layer.
 Weights are read from the transformers model (nothing is copied from its source); with `quantize` the linear
-layers are kept as int8 / int4 weight-only matrices (`eaglespec.backends.cpu.quant`). It is checked token for token
+layers are kept as int8 / int4 weight-only matrices (`eaglespec.backends.cpu.quant`). Once a layer's fused copy is
+built, the model's original matrices of that layer are released where they can be read back from its checkpoint
+(`targets.source`), so one copy of the weights stays in memory. It is checked token for token
 against the generic `TargetModel` path in tests/test_fastpath.py.
 
 Float32 weights (and bfloat16 ones on a CPU with native bfloat16 arithmetic) are pre-packed for oneDNN
@@ -41,6 +43,7 @@ from torch import Tensor
 
 from ..backends.cpu.apply import check_quantize, plan_target
 from ..errors import EagleSpecError
+from . import source
 from .hf import TargetModel, TargetOutput
 from .layers import Linear, decoder_layer, rms_norm, write_and_attend
 from .traffic import tensor_bytes
@@ -56,7 +59,7 @@ def _weights_state(model) -> tuple | None:
     """Each parameter's storage and in-place version counter: changes when a weight is modified or replaced.
     None where versions are not tracked (inference tensors), and then nothing is shared."""
     try:
-        return tuple((p.data_ptr(), p._version) for p in model.parameters())
+        return source.weights_state(model)
     except RuntimeError:
         return None
 
@@ -127,11 +130,20 @@ class FastTarget(TargetModel):
             if state is not None:
                 _BUILT[model] = built  # (a changed model's older copies go)
         if key not in built[1]:
+            source.restore(model)  # (matrices an earlier plan's build released come back first)
             logits_head, greedy_head = k.lm_head(self.lm_head)  # greedy steps' token without every logit
+            if logits_head is not self.lm_head:  # (copied: the original is read back from the file where used)
+                source.evict(model, self.lm_head.weight)
             k.open_q4_source(model)
-            layers = [self._fuse(layer) for layer in self.decoder.layers]
+            layers = []
+            for layer in self.decoder.layers:  # each layer's originals go once its own copy is built
+                layers.append(self._fuse(layer))
+                source.release(model, layer)
             k.close_q4_source()
             built[1][key] = (layers, logits_head, greedy_head, k.q4_matrices)
+        else:  # built before: originals brought back since (for the generic path, say) go again
+            for layer in self.decoder.layers:
+                source.release(model, layer)
         self.layers, self.logits_head, self.greedy_head, self.q4_matrices = built[1][key]
         k.q4_matrices = self.q4_matrices  # layer matrices read as exact 4-bit blocks
         self.final_norm = self.decoder.norm.weight.detach()
