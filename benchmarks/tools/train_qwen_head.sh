@@ -4,6 +4,10 @@
 # Result: held-out top-1 accuracy at draft steps 1-5 of 0.527 / 0.467 / 0.419 / 0.318 / 0.255 (16 held-out
 # answers, 2,860 tokens; 670 optimizer steps); on 2 HumanEval prompts x 128 tokens, tau 1.28 / 1.41 / 1.47 and
 # 0.98x / 0.50x / 0.44x plain decoding's speed with EAGLE-2 trees of 2 / 4 / 8 nodes (depth 4, top-k 2), there.
+# After the AVX2 product's 3-8-row rework (git 53aceb4; `eaglespec bench --model qwen2.5-coder-1.5b --head
+# runs/qwen/head1/eagle3/head --dataset humaneval --limit 2 --max-new-tokens 128 --threads 2 --methods eagle2,chain
+# --tree 8,4,2 --sweep total_tokens=3,5,8 --warmup 1`): tau 1.37 / 1.41 / 1.47 at 3 / 5 / 8 nodes, 0.81x / 0.76x /
+# 0.55x; the first draft token was accepted at 30-33% of steps there, against 53% top-1 accuracy held out.
 # Working files go to runs/qwen/ (ignored by git). Run from the repository root after the README's install and
 # `pip install "eaglespec[qwen2.5-coder]"`.
 set -euo pipefail
