@@ -37,6 +37,7 @@ class _Source:
     # every parameter released once: the identity fast.py's cache of built weights keys on stays the loaded one
     # across release and restore, and a restored matrix still so is known to equal its stored copy
     origins: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    module_names: dict[int, str] | None = None  # id(module) -> its name in the model, once needed
 
     def origin(self, name: str, parameter: Tensor) -> int | None:
         """The storage `parameter` was loaded into if it is as we left it (released, or restored and unchanged)."""
@@ -88,16 +89,20 @@ def release(model: nn.Module, layer: nn.Module) -> int:
     source = _SOURCES.get(model)
     if source is None:
         return 0
-
-    prefix = {id(m): name for name, m in model.named_modules()}.get(id(layer))
+    if source.module_names is None:
+        source.module_names = {id(m): name for name, m in model.named_modules()}
+    prefix = source.module_names.get(id(layer))
     if prefix is None:
+        return 0
+    candidates = [(f"{prefix}.{local}" if prefix else local, p) for local, p in layer.named_parameters()]
+    candidates = [(name, p) for name, p in candidates if p.dim() == 2 and name not in source.released]
+    if not candidates:  # (all released already: a target built before, or one sharing its copy)
         return 0
     stored = _stored_names(source.files)
     freed = 0
     zero = torch.zeros((), dtype=next(layer.parameters()).dtype, device=next(layer.parameters()).device)
-    for local, p in layer.named_parameters():
-        name = f"{prefix}.{local}" if prefix else local
-        if p.dim() != 2 or name in source.released or name not in stored:
+    for name, p in candidates:
+        if name not in stored:
             continue
         loaded_at = source.origin(name, p)  # restored by us and unchanged since: equal to the stored copy
         if loaded_at is None:
