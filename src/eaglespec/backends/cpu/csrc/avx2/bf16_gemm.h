@@ -14,9 +14,10 @@
 // to 3 rows x 32 columns over it (widened_part). Either way the weights stream from memory once per call, prefetched
 // into L2 four blocks ahead at an even pace: in the widened path the first tile of a block prefetches one line per k,
 // so the loads to L2 overlap the arithmetic instead of coming in bursts while a block is widened. All products of 6
-// layers + LM head of Qwen2.5-Coder-1.5B on a 2-core Zen 3 VM (kernel_ab.py --shapes qwen2.5-coder-1.5b --layers 6,
-// medians in ms, this layout against the earlier one with widened tiles from 3 rows on and no far prefetch there):
-// 3 rows 58 -> 40, 4: 84 -> 51, 5: 98 -> 49, 8: 112 -> 65-77; one and two rows unchanged (34, 36).
+// layers + LM head of Qwen2.5-Coder-1.5B on a 2-core Zen 3 VM, median ms, this layout against the earlier one
+// (widened tiles from 3 rows on, no far prefetch there; kernel_ab.py --rev 541cf23 --shapes qwen2.5-coder-1.5b
+// --layers 6 --no-attention, the table in docs/cpu.md): 3 rows 71 -> 44, 4: 84 -> 58, 5: 85 -> 52, 8: 126 -> 84,
+// 12: 144 -> 111; one and two rows run the same code in both (37-40).
 
 #pragma once
 
