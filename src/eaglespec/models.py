@@ -69,11 +69,11 @@ REGISTRY: dict[str, ModelSpec] = {
             # rounds them) and multiplies with them; the copy is only 0.5 GB.
             cache_dtype=torch.float32,
         ),
-        # The two Qwen2.5-Coder models are cached in bfloat16. Their GGUF blocks (Q4_K, Q5_0, Q6_K, Q8_0) are a
-        # form no eaglespec kernel reads exactly (eaglespec.backends.cpu.q4 takes Q4_1 only), so float32's exactness
-        # buys nothing where they are meant to run (bfloat16: a GPU, --compile on a CPU), while it doubles the copy:
-        # 7.1 GB instead of 3.6 GB for the 1.5B. A float32 run of them computes with the bfloat16-rounded weights;
-        # speculative decoding stays lossless against that target like any other.
+        # The two Qwen2.5-Coder models are cached in bfloat16: float32 would double the copy (7.1 GB instead of
+        # 3.6 GB for the 1.5B) for nothing. Where eaglespec's CPU kernels run, their Q4_K matrices (most of the
+        # 1.5B's layers) are read from the GGUF file itself as exact 4-bit blocks (eaglespec.backends.cpu.kquant);
+        # the other block types (Q5_0, Q6_K, Q8_0) run as the bfloat16 copy rounds them. A float32 run of them
+        # computes with the bfloat16-rounded weights; speculative decoding stays lossless against any of these.
         ModelSpec(
             name="qwen2.5-coder-1.5b",
             description="Qwen2.5-Coder-1.5B-Instruct (Qwen2 architecture, 28 layers, d=1536, FFN 8960, 12 heads / "
@@ -308,6 +308,7 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "f
     device = parse_device(device)
     folder, gguf = resolve_model(name_or_path)
     torch_dtype = parse_dtype(dtype, device)
+    gguf_path = folder / gguf if gguf else None
     if gguf:
         folder = _ensure_converted(folder, gguf, REGISTRY.get(name_or_path))
     try:
@@ -316,6 +317,8 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "f
     except (OSError, ValueError) as exc:
         raise EagleSpecError(f"could not load model from '{folder}': {exc}") from exc
     model.to(device).eval().requires_grad_(False)
+    if gguf_path is not None:
+        source.note_gguf(model, gguf_path)  # (eaglespec's CPU kernels read 4-bit matrices from it)
     if one_copy:
         source.track(model, Path(folder))  # a fast target may release its matrices and read them back from here
     return model, tokenizer

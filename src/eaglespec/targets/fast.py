@@ -123,7 +123,7 @@ class FastTarget(TargetModel):
         # model with the same plan (the bench's methods, engines sharing a model) share them instead of holding a
         # copy each (read-only). A weight changed in place or replaced since gives the model a new state.
         state = _weights_state(model)
-        key = (*k.weights_key(), self.dtype, str(self.device))
+        key = (*k.weights_key(), self.dtype, str(self.device), source.gguf_file(model))  # (Q4_K blocks: kquant)
         built = _BUILT.get(model)
         if built is None or built[0] != state or state is None:
             built = (state, {})

@@ -57,6 +57,20 @@ def track(model: nn.Module, folder: Path) -> None:
         _SOURCES[model] = _Source(files, _stamps(files), {name: p._version for name, p in model.named_parameters()})
 
 
+_GGUF_FILES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> the GGUF file it was converted from
+
+
+def note_gguf(model: nn.Module, path: Path) -> None:
+    """Remember that `model`'s checkpoint was converted from the GGUF file `path` (eaglespec.models): the CPU kernels
+    read block-quantized matrices from it as they are there (eaglespec.backends.cpu.kquant)."""
+    _GGUF_FILES[model] = Path(path)
+
+
+def gguf_file(model: nn.Module) -> Path | None:
+    """The GGUF file `model` was converted from, if it was loaded through `models.load_target` from one."""
+    return _GGUF_FILES.get(model)
+
+
 def _stamps(files: list[Path]) -> list[tuple[int, int]]:
     return [(path.stat().st_size, path.stat().st_mtime_ns) for path in files]
 

@@ -20,7 +20,8 @@ from ...drafters.base import TreeSettings
 from ...drafters.eagle import EagleDrafter
 from ...errors import EagleSpecError
 from ...heads.base import DraftHead
-from . import attention, compiled, kernels, packed, q4
+from ...targets import source
+from . import attention, compiled, kernels, kquant, packed, q4
 from .quant import check_mode
 from .quant import quantize as quantize_linear
 
@@ -97,8 +98,9 @@ class TargetKernels:
         return partial(F.linear, weight=weight.detach().contiguous(), bias=None if bias is None else bias.detach())
 
     def layer_linear(self, weight: Tensor, bias: Tensor | None = None, parameters: tuple[Tensor, ...] = ()) -> Linear:
-        """A decoder layer's product: exact 4-bit blocks where the float32 checkpoint has that form (GGUF Q4_1, on
-        CPUs running the AVX2 kernels; `parameters` are the model's weights stacked in `weight`), else the bfloat16
+        """A decoder layer's product: exact 4-bit blocks where the float32 checkpoint has that form (GGUF Q4_1) or the
+        model's GGUF file holds the matrix as Q4_K (on CPUs running the AVX2 kernels; `parameters` are the model's
+        weights stacked in `weight`), else the bfloat16
         kernel, else (compiled) a plain nn.Linear that inductor packs itself, else `linear`."""
         if self.q4_source is not None and parameters:
             blocks = self.q4_source.blocks(*parameters)
@@ -120,9 +122,13 @@ class TargetKernels:
         return (self.linear(head.weight, head.bias) if self.quantize or self.pack else head), None
 
     def open_q4_source(self, model) -> None:
-        """Find the exact 4-bit blocks of `model`'s float32 checkpoint while its layers are fused (`close_q4_source`
-        after)."""
-        self.q4_source = q4.Float32Source(model) if self.bf16_gemm and q4.available() else None
+        """Find the exact 4-bit blocks of `model`'s float32 checkpoint, or of the GGUF file it was converted from,
+        while its layers are fused (`close_q4_source` after)."""
+        self.q4_source = None
+        if self.bf16_gemm and q4.available():
+            gguf = source.gguf_file(model)
+            self.q4_source = q4.FirstSource(q4.Float32Source(model),
+                                            *([kquant.GGUFSource(model, gguf)] if gguf is not None else []))
 
     def close_q4_source(self) -> None:
         self.q4_source = None

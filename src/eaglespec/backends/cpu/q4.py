@@ -41,17 +41,18 @@ def available() -> bool:
 
 @dataclass(frozen=True)
 class Blocks:
-    """W [N, K] = d q + m per block of 32 input channels, exactly (float32 arithmetic, one rounding)."""
+    """W [N, K] = d q + m per block of 32 input channels, exactly (float32 arithmetic, one rounding). d and m are
+    float16 (Q4_1, `find_blocks`) or float32 (Q4_K, eaglespec.backends.cpu.kquant: a float16 times a 6-bit integer)."""
 
-    d: Tensor  # [N, K/32] float16
-    m: Tensor  # [N, K/32] float16
+    d: Tensor  # [N, K/32] float16 or float32
+    m: Tensor  # [N, K/32] as d
     q: Tensor  # [N, K] uint8 in [0, 15]
 
     def weight(self) -> Tensor:
-        """The float32 weights [N, K] they stand for (d q is exact in float32: 11 x 4 bits)."""
-        d = self.d.float().repeat_interleave(BLOCK, dim=1)  # [N, K]
-        m = self.m.float().repeat_interleave(BLOCK, dim=1)
-        return d * self.q.float() + m
+        """The float32 weights [N, K] they stand for (d q is exact in float32: at most 17 x 4 bits)."""
+        n, k = self.q.shape
+        q = self.q.view(n, k // BLOCK, BLOCK).float()  # [N, B, 32]
+        return torch.addcmul(self.m.float()[..., None], self.d.float()[..., None], q).view(n, k)
 
 
 def find_blocks(weight: Tensor) -> Blocks | None:
@@ -87,9 +88,12 @@ def find_blocks(weight: Tensor) -> Blocks | None:
 
 
 def q4_pack(blocks: Blocks) -> Tensor:
-    """csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h's layout: [ceil(N/32), K/32, 640] uint8; per group-block
-    d (32 float16), m (32 float16), then uint32 words [4 octets][32 columns] whose nibble i holds
-    q[column][32 b + 8 octet + i]."""
+    """csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h's layout: [ceil(N/32), K/32, 640 or 768] uint8; per
+    group-block d (32 float16 or float32, as `blocks.d`), m (32 of the same), then uint32 words [4 octets][32 columns]
+    whose nibble i holds q[column][32 b + 8 octet + i]."""
+    if blocks.d.dtype not in (torch.float16, torch.float32) or blocks.m.dtype != blocks.d.dtype:
+        raise ValueError(f"4-bit blocks need float16 or float32 d and m of one dtype, not {blocks.d.dtype} and "
+                         f"{blocks.m.dtype}")
     n, k = blocks.q.shape
     pad = -n % COLUMNS
     q = nn.functional.pad(blocks.q, (0, 0, 0, pad)).to(torch.int32)  # [Np, K]
@@ -138,7 +142,7 @@ class Float32Source:
         """The float32 tensor stored for this parameter, or None (not found, another dtype or shape)."""
         name = self.names.get(id(parameter))
         for handle in self.files:
-            if name is not None and name in handle.keys():
+            if name is not None and name in handle.keys() and handle.get_slice(name).get_dtype() == "F32":
                 tensor = handle.get_tensor(name)
                 # (and the parameter is that tensor, rounded to its dtype: not a model changed after loading)
                 if (tensor.dtype == torch.float32 and tensor.shape == parameter.shape
@@ -152,3 +156,17 @@ class Float32Source:
         if not self.files or any(w is None for w in weights):
             return None
         return find_blocks(torch.cat(weights))
+
+
+class FirstSource:
+    """The first of several block sources (`Float32Source`, `kquant.GGUFSource`) that has a matrix's blocks."""
+
+    def __init__(self, *sources):
+        self.sources = sources
+
+    def blocks(self, *parameters: Tensor) -> Blocks | None:
+        for source in self.sources:
+            blocks = source.blocks(*parameters)
+            if blocks is not None:
+                return blocks
+        return None

@@ -22,15 +22,27 @@ namespace eaglespec::q4 {
 namespace {
 namespace avx2 {
 
-constexpr int64_t kAhead = 4 * kBlockBytes;     // software prefetch distance: four blocks ahead
-
 inline __m256 half8(const uint8_t* p) {  // 8 float16 -> 8 float32 (exact)
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// A group-block's d and m, vector v of 8 columns, as float32: the two packings of common/shared.h.
+struct HalfScales {  // Q4_1: float16
+  static constexpr int64_t kBytes = kHalfBlockBytes;
+  static __m256 d(const uint8_t* blk, int v) { return half8(blk + 16 * v); }
+  static __m256 m(const uint8_t* blk, int v) { return half8(blk + 64 + 16 * v); }
+};
+struct FloatScales {  // Q4_K: float32
+  static constexpr int64_t kBytes = kFloatBlockBytes;
+  static __m256 d(const uint8_t* blk, int v) { return _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 8 * v); }
+  static __m256 m(const uint8_t* blk, int v) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(blk + 128) + 8 * v);
+  }
+};
+
 // R rows times the V vectors of 8 columns from vector c0 of one group, every block -> acc_out[r][8 c0 ..] (float32,
 // row stride kCols). xs: the rows scaled by kNibbleScale, row stride ldx; xsum [R][blocks]: each block's input sum X.
-template <int R, int V>
+template <typename Scales, int R, int V>
 void rows_in_registers(const float* xs, int64_t ldx, const float* xsum, int64_t blocks, const uint8_t* group, int c0,
                        float* acc_out) {
   __m256 acc[R][V];
@@ -38,10 +50,11 @@ void rows_in_registers(const float* xs, int64_t ldx, const float* xsum, int64_t 
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+  constexpr int64_t kAhead = 4 * Scales::kBytes;  // software prefetch distance: four blocks ahead
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = group + b * kBlockBytes;
+    const uint8_t* blk = group + b * Scales::kBytes;
     if (c0 == 0)
-      for (int line = 0; line < kBlockBytes; line += 64)
+      for (int line = 0; line < Scales::kBytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + line), _MM_HINT_T0);
     __m256 s[2][R][V];  // partial sums of even and odd k: 2 R V independent FMA chains
 #pragma GCC unroll 2
@@ -51,7 +64,7 @@ void rows_in_registers(const float* xs, int64_t ldx, const float* xsum, int64_t 
 #pragma GCC unroll 4
         for (int v = 0; v < V; ++v) s[e][r][v] = _mm256_setzero_ps();
     const float* xb = xs + b * kBlockK;
-    const uint8_t* qs = blk + kScaleBytes;
+    const uint8_t* qs = blk + Scales::kBytes - kQBytes;
     for (int j = 0; j < 4; ++j) {
       __m256i words[V];
 #pragma GCC unroll 4
@@ -74,7 +87,7 @@ void rows_in_registers(const float* xs, int64_t ldx, const float* xsum, int64_t 
     }
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
-      const __m256 d = half8(blk + 16 * (c0 + v)), m = half8(blk + 64 + 16 * (c0 + v));
+      const __m256 d = Scales::d(blk, c0 + v), m = Scales::m(blk, c0 + v);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r)
         acc[r][v] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum + r * blocks + b),
@@ -89,27 +102,114 @@ void rows_in_registers(const float* xs, int64_t ldx, const float* xsum, int64_t 
 
 // All 32 columns of a group for R <= kPassRows rows: one row reads a block's 4 vectors at once; more rows take
 // narrower passes (their partial sums need the registers; the compiler spills the accumulators, read once a block).
-template <int R>
+template <typename Scales, int R>
 void group_rows(const float* xs, int64_t ldx, const float* xsum, int64_t blocks, const uint8_t* group, float* acc) {
   constexpr int V = R == 1 ? 4 : R == 2 ? 2 : 1;
-  for (int c0 = 0; c0 < 4; c0 += V) rows_in_registers<R, V>(xs, ldx, xsum, blocks, group, c0, acc);
+  for (int c0 = 0; c0 < 4; c0 += V) rows_in_registers<Scales, R, V>(xs, ldx, xsum, blocks, group, c0, acc);
 }
 
+template <typename Scales>
 void group_rows(int64_t rows, const float* xs, int64_t ldx, const float* xsum, int64_t blocks, const uint8_t* group,
                 float* acc) {
   switch (rows) {
-    case 1: return group_rows<1>(xs, ldx, xsum, blocks, group, acc);
-    case 2: return group_rows<2>(xs, ldx, xsum, blocks, group, acc);
-    case 3: return group_rows<3>(xs, ldx, xsum, blocks, group, acc);
-    case 4: return group_rows<4>(xs, ldx, xsum, blocks, group, acc);
+    case 1: return group_rows<Scales, 1>(xs, ldx, xsum, blocks, group, acc);
+    case 2: return group_rows<Scales, 2>(xs, ldx, xsum, blocks, group, acc);
+    case 3: return group_rows<Scales, 3>(xs, ldx, xsum, blocks, group, acc);
+    case 4: return group_rows<Scales, 4>(xs, ldx, xsum, blocks, group, acc);
     default: TORCH_CHECK(false, "q4_linear: ", rows, " rows in registers");
   }
 }
 
+// The wide path (many rows): a group-block's q is turned into floats once, into L1, and tiles of up to 3 rows x 2
+// vectors multiply from there: per k, 3 broadcasts and 2 loads feed 6 FMAs (the register path above spends a mask
+// and a convert per vector and row pass, and spills its accumulators from 3 rows on). Every product and sum is the
+// register path's, in its order: the same masked-in-place q (q 16^i) against the same scaled x, even and odd k in
+// separate sums, then acc = fma(m, X, fma(d, S_even + S_odd, acc)); so a row gets the same bits on either path.
+
+// One group-block's q, masked in place as the register path has them, as float32 [32 k][32 columns] into qm.
+template <typename Scales>
+void masked_block(const uint8_t* blk, float* qm) {
+  const uint8_t* qs = blk + Scales::kBytes - kQBytes;
+  for (int j = 0; j < 4; ++j)
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) {
+      const __m256i word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (4 * j + v) * 32));
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        const __m256i q = i < 7 ? _mm256_and_si256(word, _mm256_set1_epi32(0xF << (4 * i)))
+                                : _mm256_srli_epi32(word, 28);
+        _mm256_store_ps(qm + (8 * j + i) * kCols + 8 * v, _mm256_cvtepi32_ps(q));
+      }
+    }
+}
+
+// R rows x vectors v0, v0 + 1 of block b from its floats qm: acc [R][kCols] (row stride kCols) += the block's sums.
+template <typename Scales, int R>
+void wide_tile(const float* xs, int64_t ldx, const float* xsum, int64_t blocks, int64_t b, const float* qm,
+               const uint8_t* blk, int v0, float* acc) {
+  __m256 s[2][R][2];
+#pragma GCC unroll 2
+  for (int e = 0; e < 2; ++e)
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) s[e][r][0] = s[e][r][1] = _mm256_setzero_ps();
+  const float* xb = xs + b * kBlockK;
+  const float* q = qm + 8 * v0;
+#pragma GCC unroll 4
+  for (int k = 0; k < kBlockK; k += 2) {
+#pragma GCC unroll 2
+    for (int e = 0; e < 2; ++e) {  // k + e: even, then odd
+      const __m256 q0 = _mm256_load_ps(q + (k + e) * kCols), q1 = _mm256_load_ps(q + (k + e) * kCols + 8);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) {
+        const __m256 x = _mm256_broadcast_ss(xb + r * ldx + k + e);
+        s[e][r][0] = _mm256_fmadd_ps(x, q0, s[e][r][0]);
+        s[e][r][1] = _mm256_fmadd_ps(x, q1, s[e][r][1]);
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int v = 0; v < 2; ++v) {
+    const __m256 d = Scales::d(blk, v0 + v), m = Scales::m(blk, v0 + v);
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) {
+      float* a = acc + r * kCols + 8 * (v0 + v);
+      _mm256_storeu_ps(a, _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum + r * blocks + b),
+                                          _mm256_fmadd_ps(d, _mm256_add_ps(s[0][r][v], s[1][r][v]),
+                                                          _mm256_loadu_ps(a))));
+    }
+  }
+}
+
+// All m rows times all 32 columns of a group, the wide way: acc [m][kCols] (zeroed here).
+template <typename Scales>
+__attribute__((noinline))  // (inlined into linear_rows, it made the 1-row path 10-15% slower)
+void group_rows_wide(int64_t m, const float* xs, int64_t ldx, const float* xsum, int64_t blocks, const uint8_t* group,
+                     float* acc) {
+  alignas(32) float qm[kBlockK * kCols];
+  std::fill(acc, acc + m * kCols, 0.0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = group + b * Scales::kBytes;
+    for (int line = 0; line < Scales::kBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Scales::kBytes + line), _MM_HINT_T0);
+    masked_block<Scales>(blk, qm);
+    for (int64_t row = 0; row < m; row += 3) {
+      const float* x = xs + row * ldx;
+      const float* xr = xsum + row * blocks;
+      float* a = acc + row * kCols;
+      for (int v0 = 0; v0 < 4; v0 += 2) switch (std::min<int64_t>(3, m - row)) {
+          case 1: wide_tile<Scales, 1>(x, ldx, xr, blocks, b, qm, blk, v0, a); break;
+          case 2: wide_tile<Scales, 2>(x, ldx, xr, blocks, b, qm, blk, v0, a); break;
+          default: wide_tile<Scales, 3>(x, ldx, xr, blocks, b, qm, blk, v0, a);
+        }
+    }
+  }
+}
+
 // One group-block's q as float32 [32 k][32 columns] (k-major) into qf (for q4_unpack).
+template <typename Scales>
 void unpack_block(const uint8_t* blk, float* qf) {
   const __m256i low4 = _mm256_set1_epi32(0xF);
-  const uint8_t* qs = blk + kScaleBytes;
+  const uint8_t* qs = blk + Scales::kBytes - kQBytes;
   for (int j = 0; j < 4; ++j)
 #pragma GCC unroll 4
     for (int v = 0; v < 4; ++v) {
@@ -121,10 +221,11 @@ void unpack_block(const uint8_t* blk, float* qf) {
 }
 
 // One group-block's d and m of its 32 columns as float32 (32-byte aligned outputs; for q4_unpack).
-inline void block_scales(const uint8_t* blk, float* d, float* m) {
+template <typename Scales>
+void block_scales(const uint8_t* blk, float* d, float* m) {
   for (int v = 0; v < 4; ++v) {
-    _mm256_store_ps(d + 8 * v, half8(blk + 16 * v));
-    _mm256_store_ps(m + 8 * v, half8(blk + 64 + 16 * v));
+    _mm256_store_ps(d + 8 * v, Scales::d(blk, v));
+    _mm256_store_ps(m + 8 * v, Scales::m(blk, v));
   }
 }
 

@@ -1,6 +1,7 @@
 // Few-row products with weights stored as 4-bit blocks, for CPUs with AVX2 + FMA + F16C:
 // y[M, N] = x[M, K] W[N, K]^T (+ b), where every block of 32 consecutive k of a row of W is exactly d q + m with
-// q in [0, 15] and d, m float16 (llama.cpp's Q4_1 form; eaglespec.backends.cpu.q4 finds it in float32 weights and packs it).
+// q in [0, 15] and d, m float16 (llama.cpp's Q4_1 form; eaglespec.backends.cpu.q4 finds it in float32 weights) or
+// float32 (llama.cpp's Q4_K, read from a GGUF file by eaglespec.backends.cpu.kquant), packed by q4.q4_pack.
 //
 // Why: a decode step of a small model on a few cores is bound by reading its weights; 20 bytes per 32 weights here
 // against 64 in bfloat16 (SmolLM2-135M's layers: 66 MB a step instead of 212).
@@ -14,11 +15,14 @@
 //
 // The packed layout (q4_pack in eaglespec/q4.py): common/shared.h, beside its constants.
 //
-// Rows go through in passes of up to 4 (6 rows = 4 + 2), the later passes reading the group from L1/L2.
+// Up to 4 rows multiply the packed nibbles in registers; more take the wide path, which turns each group-block into
+// floats once in L1 (same products, same order of sums, same bits: row-invariant across the two).
 // Threads: at::parallel_for over column groups (torch's intra-op pool).
 //
-// The micro-kernels (isa::, included before this): group_rows (rows <= kPassRows times all 32 columns of a group ->
-// acc), unpack_block (a group-block's q as float32) and block_scales (its d and m as float32).
+// The micro-kernels (isa::, included before this), each for the two packings of d and m (isa::HalfScales,
+// isa::FloatScales; the packed tensor's block size tells which): group_rows (up to kPassRows rows times all 32
+// columns of a group -> acc), group_rows_wide (any number), unpack_block (a group-block's q as float32) and block_scales (its d
+// and m as float32).
 
 #pragma once
 
@@ -27,7 +31,7 @@
 namespace eaglespec::q4 {
 namespace {
 
-constexpr int64_t kPassRows = 4;                // rows per pass over a group
+constexpr int64_t kPassRows = 4;                // up to this many rows: the register path; more: the wide path
 constexpr int64_t kMaxM = 64;                   // rows per pass over the weights; longer inputs take several
 // x[k] 16^-i for nibble i = k mod 8 (the micro-kernels mask nibble i in place, which leaves q 16^i); the last
 // nibble is shifted down, so 1
@@ -43,15 +47,17 @@ inline uint16_t to_bf16(float value) {
 
 // Rows [0, m) (m <= kMaxM) times every group -> y [m, n] bfloat16. xs: the rows scaled by kNibbleScale (row stride
 // ldx); xsum [m][blocks]: their block sums.
+template <typename Scales>
 void linear_rows(const float* xs, const float* xsum, int64_t ldx, int64_t m, const uint8_t* wp,
                  int64_t groups, int64_t blocks, int64_t n, const float* bp, uint16_t* yp) {
   at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
     alignas(32) float acc[kMaxM * kCols];
     for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* group = wp + g * blocks * kBlockBytes;
-      for (int64_t row = 0; row < m; row += kPassRows)  // 4-row passes are the cheapest per row: 6 rows = 4 + 2
-        isa::group_rows(std::min(kPassRows, m - row), xs + row * ldx, ldx, xsum + row * blocks, blocks, group,
-                        acc + row * kCols);
+      const uint8_t* group = wp + g * blocks * Scales::kBytes;
+      if (m > kPassRows)  // the same bits either way (avx2/q4_gemm.h): the cheaper one for m rows
+        isa::group_rows_wide<Scales>(m, xs, ldx, xsum, blocks, group, acc);
+      else
+        isa::group_rows<Scales>(m, xs, ldx, xsum, blocks, group, acc);
       const int64_t col = g * kCols, columns = std::min(kCols, n - col);
       for (int64_t r = 0; r < m; ++r)
         for (int64_t c = 0; c < columns; ++c)
@@ -60,12 +66,15 @@ void linear_rows(const float* xs, const float* xsum, int64_t ldx, int64_t m, con
   });
 }
 
-void check_packed(const at::Tensor& packed, int64_t n, int64_t k) {
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlockBytes && packed.scalar_type() == at::kByte &&
-                  packed.is_contiguous(), "q4_linear: packed must come from eaglespec.backends.cpu.q4.q4_pack");
+// Whether the packed d and m are float32 (else float16); checks the packing against [n, k].
+bool check_packed(const at::Tensor& packed, int64_t n, int64_t k) {
+  TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == kHalfBlockBytes || packed.size(2) == kFloatBlockBytes) &&
+                  packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "q4_linear: packed must come from eaglespec.backends.cpu.q4.q4_pack");
   TORCH_CHECK(k == packed.size(1) * kBlockK && n > (packed.size(0) - 1) * kCols && n <= packed.size(0) * kCols,
               "q4_linear: [", n, ", ", k, "] does not match the packed weight (", packed.size(0), " groups of 32 "
               "columns, ", packed.size(1), " blocks of 32 k)");
+  return packed.size(2) == kFloatBlockBytes;
 }
 
 // x [M, K] bfloat16, packed [ceil(n/32), K/32, 640] uint8, bias [n] or none -> [M, n] bfloat16.
@@ -73,7 +82,7 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n
                      const std::optional<at::Tensor>& bias_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "q4_linear: x must be [M, K] bfloat16");
   const int64_t m = x_in.size(0), k = x_in.size(1);
-  check_packed(packed, n, k);
+  const bool float_scales = check_packed(packed, n, k);
   const at::Tensor x = x_in.contiguous();
   const at::Tensor bias = float_bias(bias_in, n, "q4_linear");
   at::Tensor y = at::empty({m, n}, x.options());
@@ -92,31 +101,35 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n
       for (int64_t kk = 0; kk < kBlockK; ++kk) sum += xf[i * kBlockK + kk];
       xsum[i] = sum;
     }
-    linear_rows(xs.get(), xsum.get(), k, rows, packed.data_ptr<uint8_t>(), packed.size(0), blocks, n, bp,
-                yp + row * n);
+    (float_scales ? linear_rows<isa::FloatScales> : linear_rows<isa::HalfScales>)(
+        xs.get(), xsum.get(), k, rows, packed.data_ptr<uint8_t>(), packed.size(0), blocks, n, bp, yp + row * n);
   }
   return y;
 }
 
 // The float32 weights [n, K] the packing holds, fmaf(d, q, m) (gguf's float32 dequantization): to check the
 // packing against it.
-at::Tensor q4_unpack(const at::Tensor& packed, int64_t n, int64_t k) {
-  check_packed(packed, n, k);
+template <typename Scales>
+void unpack(const at::Tensor& packed, int64_t k, float* out) {
   const int64_t groups = packed.size(0), blocks = packed.size(1);
-  at::Tensor w = at::empty({groups * kCols, k}, at::kFloat);
   alignas(32) float qf[kBlockK * kCols];
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  float* out = w.data_ptr<float>();
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* blk = wp + (g * blocks + b) * kBlockBytes;
-      isa::unpack_block(blk, qf);
+      const uint8_t* blk = wp + (g * blocks + b) * Scales::kBytes;
+      isa::unpack_block<Scales>(blk, qf);
       alignas(32) float d[kCols], m[kCols];
-      isa::block_scales(blk, d, m);
+      isa::block_scales<Scales>(blk, d, m);
       for (int64_t kk = 0; kk < kBlockK; ++kk)
         for (int64_t c = 0; c < kCols; ++c)
           out[(g * kCols + c) * k + b * kBlockK + kk] = std::fmaf(d[c], qf[kk * kCols + c], m[c]);
     }
+}
+
+at::Tensor q4_unpack(const at::Tensor& packed, int64_t n, int64_t k) {
+  const bool float_scales = check_packed(packed, n, k);
+  at::Tensor w = at::empty({packed.size(0) * kCols, k}, at::kFloat);
+  (float_scales ? unpack<isa::FloatScales> : unpack<isa::HalfScales>)(packed, k, w.data_ptr<float>());
   return w.narrow(0, 0, n).contiguous();
 }
 

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -157,13 +158,15 @@ struct Quantized {
 namespace eaglespec::q4 {
 namespace {
 
-// The packed weight (q4_pack in eaglespec/q4.py): [N/32 groups][K/32 blocks][640 bytes]; a group-block holds d of its
-// 32 columns (float16, 64 bytes), then m (64 bytes), then the q as 4 octets x 4 vectors x 8 columns of uint32 (512
-// bytes), where uint32 lane c of vector v of octet j holds q[8 v + c][32 b + 8 j + i] in bits [4 i, 4 i + 4).
+// The packed weight (q4_pack in eaglespec/q4.py): [N/32 groups][K/32 blocks][640 or 768 bytes]; a group-block holds d
+// of its 32 columns, then m, both float16 (64 bytes each: llama.cpp's Q4_1) or both float32 (128 bytes each: Q4_K,
+// whose d and m per 32 k are a float16 times a 6-bit integer), then the q as 4 octets x 4 vectors x 8 columns of
+// uint32 (512 bytes), where uint32 lane c of vector v of octet j holds q[8 v + c][32 b + 8 j + i] in bits [4 i, 4 i + 4).
 constexpr int64_t kCols = 32;                   // output columns per group: 4 vectors of 8 float32 lanes
 constexpr int64_t kBlockK = 32;                 // k per block (one d and m per column)
-constexpr int64_t kBlockBytes = 640;            // 64 d + 64 m + 512 q
-constexpr int64_t kScaleBytes = 128;
+constexpr int64_t kQBytes = 512;                // the q of a group-block
+constexpr int64_t kHalfBlockBytes = 128 + kQBytes;   // float16 d and m
+constexpr int64_t kFloatBlockBytes = 256 + kQBytes;  // float32 d and m
 
 }  // namespace
 }  // namespace eaglespec::q4

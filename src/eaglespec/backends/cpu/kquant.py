@@ -1,0 +1,172 @@
+"""Exact 4-bit blocks read from a GGUF file's Q4_K tensors: llama.cpp's Q4_K_M models (the Qwen2.5-Coder pair) run
+their 4-bit matrices through `q4.Q4Linear` as they are in the file.
+
+A Q4_K super-block covers 256 consecutive input channels of a row: d and dmin (float16), eight 6-bit scales sc and
+mins mn, and 256 4-bit q. Weight k of sub-block j (32 consecutive channels) is (d sc_j) q_k - (dmin mn_j), gguf's
+and llama.cpp's float32 dequantization. That is `q4.Blocks`' d q + m per 32 channels with d = d sc_j and
+m = -(dmin mn_j) in float32, both exact (11 x 6 significant bits), so `Blocks.weight()` rebuilds gguf's
+dequantized weight bit for bit. `Q4Linear` then reads 24 bytes per 32 weights (bfloat16: 64).
+
+eaglespec caches these models in bfloat16 (eaglespec.models), which rounds the dequantized weights; a matrix read
+from the file has the weights before that rounding. A matrix is read from the file only where its weights, rounded
+to the model's dtype, are the model's parameter bit for bit (so it is that parameter, not a changed or re-laid-out
+one: llama.cpp permutes a Llama model's q and k rows, and those stay on the bfloat16 kernel). Q6_K, Q5_K, Q8_0 and
+the other block types stay on the bfloat16 kernel too.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from .q4 import BLOCK, Blocks
+
+SUPER = 256  # weights per Q4_K super-block
+SUPER_BYTES = 144  # d, dmin (2 + 2 bytes), 12 bytes of packed scales and mins, 128 bytes of q
+# a decoder-layer matrix's transformers name -> its GGUF name (llama.cpp's Llama-family tensor names)
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight$")
+_GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def gguf_name(name: str) -> str | None:
+    """llama.cpp's name of a decoder-layer matrix (`model.layers.3.mlp.up_proj.weight` -> `blk.3.ffn_up.weight`),
+    or None for any other parameter."""
+    match = _LAYER.search(name)
+    if match is None or match.group(3) not in _GGUF_NAMES:
+        return None
+    return f"blk.{match.group(1)}.{_GGUF_NAMES[match.group(3)]}.weight"
+
+
+def q4_k_blocks(raw: np.ndarray, n: int, k: int) -> Blocks:
+    """The exact blocks of a Q4_K matrix [n, k]: `raw` its bytes, [n, k / 256 * 144] uint8 (row-major super-blocks)."""
+    from gguf.quants import Q4_K
+
+    if k % SUPER or raw.shape != (n, k // SUPER * SUPER_BYTES) or raw.dtype != np.uint8:
+        raise ValueError(f"not a Q4_K matrix [{n}, {k}]: {raw.shape} {raw.dtype}")
+    sb = np.ascontiguousarray(raw).reshape(-1, SUPER_BYTES)  # [S, 144], S = n k / 256
+    d = sb[:, 0:2].view(np.float16).astype(np.float32)  # [S, 1]
+    dmin = sb[:, 2:4].view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(sb[:, 4:16])  # [S, 8] each, 6-bit
+    qs = sb[:, 16:].reshape(-1, 4, 1, 32)  # 4 pairs of sub-blocks: low nibbles first, then high
+    q = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)).reshape(n, k)
+    scale = (d * sc.astype(np.float32)).reshape(n, k // BLOCK)
+    low = -(dmin * mn.astype(np.float32)).reshape(n, k // BLOCK)
+    return Blocks(torch.from_numpy(scale), torch.from_numpy(low), torch.from_numpy(q))
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor's bytes are in a GGUF file."""
+
+    kind: int  # its GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: the innermost (contiguous) size first
+    offset: int  # of its first byte in the file
+
+
+# byte sizes of the fixed-size GGUF metadata value types (gguf.GGUFValueType: 8 is a string, 9 an array)
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def tensor_index(path: str | Path) -> dict[str, TensorInfo]:
+    """The tensors of a GGUF file (version 2 or 3, little-endian): name -> kind, shape and offset.
+
+    Reads the header and skips the metadata values. gguf's GGUFReader parses every value instead (a Qwen2 file's
+    151,936 tokenizer strings: 10-20 s on a 2-core VM), and its tensor list is all this needs."""
+    from gguf import GGUF_DEFAULT_ALIGNMENT
+
+    with open(path, "rb") as f:
+        def read(fmt: str):
+            size = struct.calcsize("<" + fmt)
+            data = f.read(size)
+            if len(data) != size:
+                raise ValueError(f"{path}: truncated GGUF header")
+            return struct.unpack("<" + fmt, data)
+
+        def skip(kind: int, count: int = 1) -> None:
+            if kind in _SCALAR_BYTES:
+                f.seek(_SCALAR_BYTES[kind] * count, 1)
+            elif kind == _STRING:
+                for _ in range(count):
+                    f.seek(read("Q")[0], 1)
+            elif kind == _ARRAY:
+                for _ in range(count):
+                    item, n = read("IQ")
+                    skip(item, n)
+            else:
+                raise ValueError(f"{path}: unknown GGUF value type {kind}")
+
+        magic, version = f.read(4), read("I")[0]
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path}: not a little-endian GGUF file of version 2 or 3")
+        n_tensors, n_values = read("QQ")
+        alignment = GGUF_DEFAULT_ALIGNMENT
+        for _ in range(n_values):
+            key = f.read(read("Q")[0])
+            kind = read("I")[0]
+            if key == b"general.alignment" and kind == 4:  # uint32
+                alignment = read("I")[0]
+            else:
+                skip(kind)
+        infos = []
+        for _ in range(n_tensors):
+            name = f.read(read("Q")[0]).decode()
+            dims = read("I")[0]
+            shape = read("Q" * dims)
+            kind, offset = read("IQ")
+            infos.append((name, kind, shape, offset))
+        start = -(-f.tell() // alignment) * alignment  # the tensor data begins at the next multiple of alignment
+    return {name: TensorInfo(kind, tuple(shape), start + offset) for name, kind, shape, offset in infos}
+
+
+class GGUFSource:
+    """A model's Q4_K layer matrices, read from the GGUF file its checkpoint was converted from (the file is read
+    only when a matrix is first asked for). `blocks` answers like `q4.Float32Source.blocks`."""
+
+    def __init__(self, model: nn.Module, path: str | Path):
+        self.path = Path(path)
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self._tensors: dict | None = None
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        """The file's Q4_K tensors, read once."""
+        if self._tensors is None:
+            from gguf import GGMLQuantizationType
+
+            self._tensors = {name: info for name, info in tensor_index(self.path).items()
+                             if info.kind == GGMLQuantizationType.Q4_K}
+        return self._tensors
+
+    def get(self, parameter: Tensor) -> Blocks | None:
+        """The exact blocks of this parameter [N, K], or None: not a decoder-layer matrix, not Q4_K in the file, or
+        not the file's weights rounded to the parameter's dtype."""
+        name = gguf_name(self.names.get(id(parameter), ""))
+        if name is None or parameter.dim() != 2:
+            return None
+        info = self.tensors().get(name)
+        n, k = parameter.shape
+        if info is None or info.shape != (k, n) or k % SUPER:  # (GGUF shapes list the inner size first)
+            return None
+        raw = np.memmap(self.path, dtype=np.uint8, mode="r", offset=info.offset, shape=(n, k // SUPER * SUPER_BYTES))
+        blocks = q4_k_blocks(raw, n, k)
+        if not torch.equal(blocks.weight().to(parameter.dtype), parameter.detach().cpu()):
+            return None
+        return blocks
+
+    def blocks(self, *parameters: Tensor) -> Blocks | None:
+        """The blocks of these parameters stacked along N (a fused q/k/v), or None where any has none."""
+        found = []
+        for parameter in parameters:
+            blocks = self.get(parameter)
+            if blocks is None:
+                return None
+            found.append(blocks)
+        return Blocks(torch.cat([b.d for b in found]), torch.cat([b.m for b in found]),
+                      torch.cat([b.q for b in found]))

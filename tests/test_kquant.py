@@ -1,0 +1,176 @@
+"""Q4_K matrices read from a GGUF file as exact 4-bit blocks (eaglespec.backends.cpu.kquant): the blocks rebuild
+gguf's own dequantization bit for bit, the header index agrees with gguf's reader, the float32-scale packing runs
+through the 4-bit product row-invariantly, and a tiny Qwen2 (the 1.5B's shape features: biased q/k/v, untied LM
+head, grouped KV heads) whose layer matrices are Q4_K in its GGUF decodes speculatively to plain decoding's tokens
+on them. The kernel tests need a build of the kernels and a compiler, like tests/test_q4.py."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import TinyTokenizer, make_cpu_model
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import dequantize
+from test_engine import PROMPTS, random_head
+
+from eaglespec.api import Engine, TreeSettings
+from eaglespec.backends.cpu import kernels as bf16gemm
+from eaglespec.backends.cpu import kquant, q4
+from eaglespec.targets import source
+from eaglespec.targets.fast import FastTarget
+
+needs_kernel = pytest.mark.skipif(not (q4.available() and bf16gemm.can_build()),
+                                  reason="the 4-bit product needs a CPU with AVX2 + FMA + F16C and a C++ compiler")
+
+
+def random_q4_k(n: int, k: int, seed: int, scale: float = 2e-4) -> np.ndarray:
+    """Random Q4_K bytes of a [n, k] matrix: [n, k / 256 * 144] uint8, with finite positive d and dmin of about
+    `scale` and random 6-bit scales, mins and 4-bit q."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n * k // 256, 144), dtype=np.uint8)
+    raw[:, 0:2] = (rng.random((n * k // 256, 1)) * scale + scale / 4).astype(np.float16).view(np.uint8)
+    raw[:, 2:4] = (rng.random((n * k // 256, 1)) * scale * 4).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, k // 256 * 144)
+
+
+def gguf_weight(raw: np.ndarray, n: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(dequantize(raw, GGMLQuantizationType.Q4_K))).reshape(n, k)
+
+
+def test_blocks_rebuild_gguf_dequantization_bit_for_bit():
+    n, k = 48, 512
+    raw = random_q4_k(n, k, seed=0)
+    blocks = kquant.q4_k_blocks(raw, n, k)
+    assert blocks.d.dtype == blocks.m.dtype == torch.float32 and blocks.d.shape == (n, k // 32)
+    assert blocks.q.shape == (n, k) and int(blocks.q.max()) <= 15
+    assert torch.equal(blocks.weight(), gguf_weight(raw, n, k))
+    with pytest.raises(ValueError, match="not a Q4_K matrix"):
+        kquant.q4_k_blocks(raw[:, :-1], n, k)
+
+
+def test_names_of_layer_matrices():
+    assert kquant.gguf_name("model.layers.3.mlp.up_proj.weight") == "blk.3.ffn_up.weight"
+    assert kquant.gguf_name("model.layers.12.self_attn.o_proj.weight") == "blk.12.attn_output.weight"
+    assert kquant.gguf_name("model.layers.0.self_attn.q_proj.bias") is None
+    assert kquant.gguf_name("lm_head.weight") is None
+
+
+def write_gguf(path, tensors: dict[str, np.ndarray], alignment: int | None = None) -> None:
+    """A GGUF file with tokenizer-like metadata (a string array) and `tensors` (uint8 arrays are Q4_K bytes)."""
+    writer = GGUFWriter(str(path), "qwen2")
+    writer.add_array("tokenizer.ggml.tokens", ["<a>", "bb", "ccc"] * 50)
+    writer.add_uint32("qwen2.block_count", 2)
+    writer.add_string("general.name", "tiny")
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    for name, data in tensors.items():
+        if data.dtype == np.uint8:
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=GGMLQuantizationType.Q4_K)
+        else:
+            writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_tensor_index_agrees_with_gguf_reader(tmp_path, alignment):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, {"blk.0.ffn_up.weight": random_q4_k(8, 256, seed=1),
+                      "blk.0.attn_norm.weight": np.ones(24, dtype=np.float32),
+                      "blk.1.ffn_up.weight": random_q4_k(16, 512, seed=2)}, alignment)
+    index = kquant.tensor_index(path)
+    reader = GGUFReader(path)
+    assert set(index) == {t.name for t in reader.tensors}
+    for t in reader.tensors:
+        info = index[t.name]
+        assert (info.kind, info.shape, info.offset) == (int(t.tensor_type), tuple(int(s) for s in t.shape),
+                                                        t.data_offset)
+    (tmp_path / "bad.gguf").write_bytes(b"GGML" + bytes(20))
+    with pytest.raises(ValueError, match="not a little-endian GGUF"):
+        kquant.tensor_index(tmp_path / "bad.gguf")
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(96, 256), (40, 512)])
+def test_float32_scales_pack_rebuild_the_weights_and_are_row_invariant(n, k):
+    bf16gemm.load()
+    raw = random_q4_k(n, k, seed=n)
+    blocks = kquant.q4_k_blocks(raw, n, k)
+    packed = q4.q4_pack(blocks)
+    assert packed.shape == ((n + 31) // 32, k // 32, 768)
+    weight = gguf_weight(raw, n, k)
+    assert torch.equal(torch.ops.eaglespec.q4_unpack(packed, n, k), weight)
+    bias = torch.randn(n)
+    layer = q4.Q4Linear(blocks, bias)
+    x = torch.randn(9, k).bfloat16()
+    whole = layer(x)
+    exact = x.double() @ weight.double().T + bias.double()
+    bound = exact.abs() * 2**-8 + 1e-5 * k * (x.double().abs() @ weight.double().abs().T)
+    assert ((whole.double() - exact).abs() <= bound).all()
+    for rows in range(1, 9):
+        assert torch.equal(layer(x[:rows]), whole[:rows]), rows
+
+
+def test_pack_rejects_mixed_scale_dtypes():
+    blocks = q4.Blocks(torch.ones(32, 1), torch.ones(32, 1).half(), torch.zeros(32, 32, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="float16 or float32 d and m"):
+        q4.q4_pack(blocks)
+
+
+MATRICES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+            "mlp.down_proj": "ffn_down"}
+
+
+@pytest.fixture(scope="module")
+def q4_k_model(tmp_path_factory):
+    """A tiny bfloat16 Qwen2 (K multiple of 256) whose layer matrices are the bfloat16 rounding of Q4_K ones, as
+    eaglespec's bfloat16 cache of a Q4_K GGUF holds them, and that GGUF file."""
+    model = make_cpu_model("qwen2", layers=2, hidden_size=256, intermediate_size=512).to(torch.bfloat16)
+    tensors = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for seed, (attr, name) in enumerate(MATRICES.items()):
+                linear = layer.get_submodule(attr)
+                n, k = linear.weight.shape
+                raw = random_q4_k(n, k, seed=100 * i + seed, scale=1e-3)
+                linear.weight.copy_(gguf_weight(raw, n, k))
+                tensors[f"blk.{i}.{name}.weight"] = raw
+    path = tmp_path_factory.mktemp("q4k") / "tiny.gguf"
+    write_gguf(path, tensors)
+    return model, path
+
+
+@needs_kernel
+def test_fast_target_reads_q4_k_matrices_from_the_gguf(q4_k_model):
+    model, path = q4_k_model
+    assert FastTarget(model, "final").q4_matrices == 0  # not known to come from a GGUF file: bfloat16 kernel
+    source.note_gguf(model, path)
+    target = FastTarget(model, "final")
+    assert target.q4_matrices == 8  # fused q/k/v, o, fused gate/up and down of both layers
+    assert all(isinstance(layer.gate_up, q4.Q4Linear) for layer in target.layers)
+
+
+@needs_kernel
+def test_speculative_decoding_on_q4_k_blocks_gives_plain_decodings_tokens(q4_k_model):
+    model, path = q4_k_model
+    source.note_gguf(model, path)
+    plain = Engine.from_model(model, TinyTokenizer(), method="vanilla")
+    spec = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle1").to(torch.bfloat16),
+                             method="eagle2", tree=TreeSettings(total_tokens=8, depth=3, top_k=3))
+    assert plain.target.q4_matrices == spec.target.q4_matrices == 8
+    for prompt in PROMPTS:
+        assert spec.generate(prompt, max_new_tokens=20).tokens == plain.generate(prompt, max_new_tokens=20).tokens
+
+
+@needs_kernel
+def test_a_changed_matrix_stays_on_the_bfloat16_kernel(q4_k_model, tmp_path):
+    model, path = q4_k_model
+    changed = make_cpu_model("qwen2", layers=2, hidden_size=256, intermediate_size=512).to(torch.bfloat16)
+    changed.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        changed.model.layers[1].mlp.down_proj.weight[0, 0] += 1
+    source.note_gguf(changed, path)
+    target = FastTarget(changed, "final")
+    assert target.q4_matrices == 7 and isinstance(target.layers[1].down, bf16gemm.Bf16Linear)
