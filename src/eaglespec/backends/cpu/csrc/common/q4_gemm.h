@@ -21,8 +21,8 @@
 //
 // The micro-kernels (isa::, included before this), each for the two packings of d and m (isa::HalfScales,
 // isa::FloatScales; the packed tensor's block size tells which): group_rows (up to kPassRows rows times all 32
-// columns of a group -> acc), group_rows_wide (any number), unpack_block (a group-block's q as float32) and block_scales (its d
-// and m as float32).
+// columns of a group -> acc), group_rows_wide (any number of rows), unpack_block (a group-block's q as float32) and
+// block_scales (its d and m as float32).
 
 #pragma once
 

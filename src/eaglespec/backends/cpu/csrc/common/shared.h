@@ -24,7 +24,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -161,7 +160,8 @@ namespace {
 // The packed weight (q4_pack in eaglespec/q4.py): [N/32 groups][K/32 blocks][640 or 768 bytes]; a group-block holds d
 // of its 32 columns, then m, both float16 (64 bytes each: llama.cpp's Q4_1) or both float32 (128 bytes each: Q4_K,
 // whose d and m per 32 k are a float16 times a 6-bit integer), then the q as 4 octets x 4 vectors x 8 columns of
-// uint32 (512 bytes), where uint32 lane c of vector v of octet j holds q[8 v + c][32 b + 8 j + i] in bits [4 i, 4 i + 4).
+// uint32 (512 bytes), where uint32 lane c of vector v of octet j holds q[8 v + c][32 b + 8 j + i] in bits
+// [4 i, 4 i + 4).
 constexpr int64_t kCols = 32;                   // output columns per group: 4 vectors of 8 float32 lanes
 constexpr int64_t kBlockK = 32;                 // k per block (one d and m per column)
 constexpr int64_t kQBytes = 512;                // the q of a group-block
