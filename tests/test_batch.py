@@ -273,13 +273,16 @@ def test_oracle_trees_of_every_size_join_leave_and_cancel(dtype, backend, specul
 
 
 @needs_kernels
+@pytest.mark.parametrize("stack", [True, False], ids=["stack", "python-layers"])
 @pytest.mark.parametrize("kind", ["final", "eagle3"])
-def test_a_prompt_read_in_pieces_leaves_the_bits_of_one_call(kind, monkeypatch):
+def test_a_prompt_read_in_pieces_leaves_the_bits_of_one_call(kind, stack, monkeypatch):
     """On the kernels a prompt row's bits do not depend on how the prompt was cut: pieces of any size (the batch's
     chunked prefill) and FastTarget's own MAX_STEP_ROWS pieces leave the cache, the features and the next token of
-    one call."""
+    one call; with the layers in one kernel call (backends.cpu.stack) and in Python."""
+    monkeypatch.setenv("EAGLESPEC_STACK", "1" if stack else "0")
     model = make_cpu_model("qwen2").to(torch.bfloat16)
     target = Engine.from_model(model, TinyTokenizer(), method="vanilla").target.sibling()
+    assert (target.kernel_stack is not None) == stack
     target.feature_kind = kind
     prompt = torch.tensor(PROMPTS[2] + PROMPTS[0])  # 20 rows
 
@@ -299,8 +302,13 @@ def test_a_prompt_read_in_pieces_leaves_the_bits_of_one_call(kind, monkeypatch):
             torch.equal(x, y) for x, y in zip(a[2] + a[3], b[2] + b[3]))
 
     attended_from = []  # the cached rows of each kernel attention call (0: a prompt's first rows)
-    attend = target.kernels.attend_tree
-    monkeypatch.setattr(target.kernels, "attend_tree", lambda *a, **k: attended_from.append(k["c"]) or attend(*a, **k))
+    if stack:
+        run = target.kernel_stack
+        monkeypatch.setattr(target, "kernel_stack", lambda *a: attended_from.extend(a[5]) or run(*a))
+    else:
+        attend = target.kernels.attend_tree
+        monkeypatch.setattr(target.kernels, "attend_tree",
+                            lambda *a, **k: attended_from.append(k["c"]) or attend(*a, **k))
     whole = read([])
     assert target.tree_kernel and whole[1].shape[0] == prompt.numel() and set(attended_from) == {0}
     assert same(read([1, 2, 9]), whole) and same(read([7, 14]), whole)

@@ -129,7 +129,9 @@ def model():
     return make_cpu_model("qwen2", layers=2).to(torch.bfloat16)  # q/k/v biases and GQA
 
 
-def test_bfloat16_targets_use_the_kernel_eager_and_compiled(model):
+def test_bfloat16_targets_use_the_kernel_eager_and_compiled(model, monkeypatch):
+    """The layers in Python ($EAGLESPEC_STACK=0), eager or compiled, call the kernel's products."""
+    monkeypatch.setenv("EAGLESPEC_STACK", "0")
     eager = FastTarget(model, "final", kernels=False)  # torch's products (oneDNN), for comparison
     assert FastTarget(model, "final").bf16_gemm  # the default, eager
     compiled = FastTarget(model, "final", compile=True)

@@ -59,8 +59,10 @@ def test_the_default_engine_drafts_with_the_fast_exact_path(default_engine):
     assert engine.method == "eagle2" and isinstance(engine.drafter, AdaptiveDrafter)
     assert engine.target.dtype == engine.target.model.dtype
     target = engine.target
-    # exact by construction: eaglespec's kernels where they run, else row-by-row attention
+    # exact by construction: eaglespec's kernels where they run (every layer in one call into them), else
+    # row-by-row attention
     assert target.bf16_gemm or target.row_invariant
+    assert (target.kernel_stack is not None) == target.tree_kernel
 
 
 def test_default_greedy_equals_plain_decoding(default_engine, plain_answers):

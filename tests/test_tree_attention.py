@@ -211,21 +211,30 @@ def test_exact_bfloat16_verify_rows_equal_plain_steps(model):
     verify_rows_equal_plain_steps(exact, prefix=[])
 
 
+@pytest.mark.parametrize("stack", [True, False], ids=["stack", "python-layers"])
 @pytest.mark.parametrize("dims", [{}, {"hidden_size": 80, "num_attention_heads": 5, "num_key_value_heads": 1,
                                        "intermediate_size": 176}], ids=["tiny", "odd-widths"])
-def test_default_eager_bfloat16_verify_rows_equal_plain_steps(dims):
-    """The default target (no flags): eager decode steps whose products, attention and greedy head are the kernels'.
-    Every other operation of a step (norms, RoPE, SiLU, residual adds) works on each row alone, so a tree row has
-    the bits of the one-token steps that reach it; widths that leave vector tails are included."""
+def test_default_eager_bfloat16_verify_rows_equal_plain_steps(dims, stack, monkeypatch):
+    """The default target (no flags): eager decode steps whose products, attention and greedy head are the kernels',
+    the layers in one kernel call (backends.cpu.stack) or in Python ($EAGLESPEC_STACK=0). Every other operation of
+    a step (norms, RoPE, SiLU, residual adds) works on each row alone, so a tree row has the bits of the one-token
+    steps that reach it; widths that leave vector tails are included."""
+    monkeypatch.setenv("EAGLESPEC_STACK", "1" if stack else "0")
     model = make_cpu_model("llama", layers=3, **dims).to(torch.bfloat16)
     target = FastTarget(model, "final")
     assert target.bf16_gemm and target.tree_kernel and not target.compiled and target.greedy_head is not None
+    assert (target.kernel_stack is not None) == stack
     verify_rows_equal_plain_steps(target, prefix=[7, 3])
 
 
 @pytest.fixture(scope="module")
 def compiled(model):
-    target = FastTarget(model, "final", compile=True)
+    """--compile with the layers in Python ($EAGLESPEC_STACK=0): their compiled graphs (with the kernel stack,
+    --compile leaves a target's steps to it, test_stack.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EAGLESPEC_STACK", "0")
+        target = FastTarget(model, "final", compile=True)
+    assert target.stack is not None
     target.warm_up()
     return target
 
@@ -237,10 +246,12 @@ def test_compiled_bfloat16_verify_rows_equal_plain_steps(compiled):
     verify_rows_equal_plain_steps(compiled, prefix=[7])  # (decode steps over a cached prefix run compiled)
 
 
-@pytest.mark.parametrize("option", ["default", "exact", "compile"])
-def test_bfloat16_speculative_tokens_equal_plain_decoding(model, option):
+@pytest.mark.parametrize("option", ["default", "exact", "compile", "python-layers", "python-layers-compile"])
+def test_bfloat16_speculative_tokens_equal_plain_decoding(model, option, monkeypatch):
     head = random_head(model, "eagle1").to(torch.bfloat16)
-    flags = {} if option == "default" else {option: True}
+    if option.startswith("python-layers"):
+        monkeypatch.setenv("EAGLESPEC_STACK", "0")
+    flags = {"compile": True} if option.endswith("compile") else {"exact": True} if option == "exact" else {}
     plain = Engine.from_model(model, TinyTokenizer(), method="vanilla", **flags)
     spec = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2", **flags,
                              tree=TreeSettings(total_tokens=8, depth=4, top_k=3))

@@ -7,9 +7,11 @@
    start of the command to its first generated text on stdout (time to first token: model conversion, kernel
    build and everything else a first run pays included) and to its end.
 2. The same `eaglespec generate` again (what every later run pays).
-3. `eaglespec bench` in that venv on a few MT-bench first turns, default settings against `--compile` (each run
-   of bench is one process; warm-up excluded by bench itself), both in this one script, and `--compile` once more
-   (its process time shows what torch.compile's on-disk caches save a second process).
+3. `eaglespec bench` in that venv on a few MT-bench first turns, default settings against the layers in Python
+   (`EAGLESPEC_STACK=0`, what the defaults ran before the kernels' decoder stack) and against `--compile` with the
+   layers in Python (torch.compile's graphs of them; each run of bench is one process; warm-up excluded by bench
+   itself), all in this one script, and that `--compile` once more (its process time shows what torch.compile's
+   on-disk caches save a second process).
 
 Run it on a quiet machine: other work on the cores distorts every figure. Writes `first_run.json` in --out.
 """
@@ -91,11 +93,15 @@ def main() -> None:
              "--threads", str(os.cpu_count()), "--repeats", "1"]
     speeds = {}
     # compile-again: a second --compile process on the same machine, to see what torch.compile's on-disk caches save
-    for label, extra in (("default", []), ("compile", ["--compile"]), ("compile-again", ["--compile"])):
+    python_layers = {"EAGLESPEC_STACK": "0"}
+    runs = (("default", [], {}), ("python-layers", [], python_layers),
+            ("python-layers-compile", ["--compile"], python_layers),
+            ("python-layers-compile-again", ["--compile"], python_layers))
+    for label, extra, variables in runs:
         folder = out / f"bench-{label}"
         t1 = time.perf_counter()
-        subprocess.run(bench + extra + ["--out", str(folder), "--force"], check=True, env=env, cwd=REPO,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(bench + extra + ["--out", str(folder), "--force"], check=True, env={**env, **variables},
+                       cwd=REPO, stdout=subprocess.DEVNULL)
         rows = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines() if line.strip()]
         totals: dict[str, list[float]] = {}  # method -> [new tokens, seconds] over all prompts
         for row in rows:
@@ -107,7 +113,7 @@ def main() -> None:
         speeds[label]["equal"] = sum(bool(r.get("equal_to_vanilla")) for r in rows if r["method"] != "vanilla")
         record["bench"] = speeds
         save()
-    record["bench_command"] = " ".join(["eaglespec"] + bench[1:]) + " [--compile]"
+    record["bench_command"] = "[EAGLESPEC_STACK=0] " + " ".join(["eaglespec"] + bench[1:]) + " [--compile]"
     save()
     print(json.dumps(record, indent=1))
 

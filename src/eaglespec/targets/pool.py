@@ -140,24 +140,28 @@ def _forward_together(targets: list[FastTarget], steps: list[SlotStep], greedy: 
     feature_layers = lead.eagle3_layers() if lead.feature_kind == "eagle3" else ()
     saved = []
     cached = [t.cache_len for t in targets]
-    for i, layer in enumerate(lead.layers):
-        if i in feature_layers:
-            saved.append(x)
+    if kernel and lead.kernel_stack is not None:  # every layer in one call into the kernels (backends.cpu.stack)
+        x, saved = lead.kernel_stack(x, cos_all[0], sin_all[0], [t.layer_keys for t in targets],
+                                     [t.layer_values for t in targets], cached, sizes, masks, feature_layers)
+    else:
+        for i, layer in enumerate(lead.layers):
+            if i in feature_layers:
+                saved.append(x)
 
-        def attend(q: Tensor, k: Tensor, v: Tensor, layer_index: int = i) -> Tensor:
-            # q [H, N, hd], k, v [Hkv, N, hd] -> [H, N, hd]: each slot's rows over its own cache
-            if kernel:
-                return lead.kernels.attend_tree_batch(q, k, v, [t.layer_keys[layer_index] for t in targets],
-                                                      [t.layer_values[layer_index] for t in targets], cached, sizes,
-                                                      masks)
-            out, start = [], 0
-            for run, n in zip(attends, sizes):
-                rows = slice(start, start + n)
-                out.append(run(layer_index, q[:, rows], k[:, rows], v[:, rows]))
-                start += n
-            return torch.cat(out, dim=1)
+            def attend(q: Tensor, k: Tensor, v: Tensor, layer_index: int = i) -> Tensor:
+                # q [H, N, hd], k, v [Hkv, N, hd] -> [H, N, hd]: each slot's rows over its own cache
+                if kernel:
+                    return lead.kernels.attend_tree_batch(q, k, v, [t.layer_keys[layer_index] for t in targets],
+                                                          [t.layer_values[layer_index] for t in targets], cached,
+                                                          sizes, masks)
+                out, start = [], 0
+                for run, n in zip(attends, sizes):
+                    rows = slice(start, start + n)
+                    out.append(run(layer_index, q[:, rows], k[:, rows], v[:, rows]))
+                    start += n
+                return torch.cat(out, dim=1)
 
-        x = decoder_layer(layer, x, cos_all, sin_all, heads, lead.eps, lead.attention_dtype, attend)
+            x = decoder_layer(layer, x, cos_all, sin_all, heads, lead.eps, lead.attention_dtype, attend)
     last = rms_norm(x, lead.final_norm, lead.eps)  # [N, d]
     features = lead.features_of(last, saved)  # [N, F] or None
 

@@ -21,7 +21,7 @@ from ...drafters.eagle import EagleDrafter
 from ...errors import EagleSpecError
 from ...heads.base import DraftHead
 from ...targets import source
-from . import attention, compiled, kernels, kquant, packed, q4
+from . import attention, compiled, kernels, kquant, packed, q4, stack
 from .quant import check_mode
 from .quant import quantize as quantize_linear
 
@@ -81,8 +81,9 @@ class TargetKernels:
     commit_rows = staticmethod(attention.commit_rows)
 
     def warm_up(self, target) -> float:
-        """With `compiled`: compile the target's decode steps now (tens of seconds). Returns seconds."""
-        return compiled.warm_up(target) if self.compiled else 0.0
+        """With `compiled`: compile the target's decode steps now (tens of seconds), where it has compiled layers
+        (not where its layers run as the kernels' decoder stack). Returns seconds."""
+        return compiled.warm_up(target) if self.compiled and target.stack is not None else 0.0
 
     def load(self) -> None:
         """Build and load the C++ kernels now where they are used (not in the middle of the first generation)."""
@@ -132,6 +133,11 @@ class TargetKernels:
 
     def close_q4_source(self) -> None:
         self.q4_source = None
+
+    def kernel_stack(self, layers: list, heads: tuple[int, int, int], eps: float) -> stack.KernelStack | None:
+        """The layers as one call into the kernels (eaglespec.backends.cpu.stack) where every step attends through
+        the kernel and every product runs on it; None elsewhere (the layers then run in Python)."""
+        return stack.KernelStack.of(layers, heads, eps) if self.tree_kernel else None
 
     def compile_stack(self, layers: list, heads: tuple[int, int, int], eps: float, features: tuple[int, ...],
                       device: torch.device):

@@ -74,7 +74,7 @@ class Isa:
 # the 4-bit product's float16 scales need).
 COMMON_SOURCES = tuple(CSRC / "common" / f"{name}.h" for name in (
     "shared", "ops", "bf16_gemm", "tree_attention", "commit_rows", "argmax_rows", "topk_rows", "screened_argmax",
-    "q4_gemm"))
+    "q4_gemm", "decoder_stack"))
 MICRO_KERNELS = ("bf16_gemm", "tree_attention", "argmax_rows", "topk_rows", "screened_argmax")  # in each ISA's folder
 Q4_SOURCE = CSRC / "avx2" / "q4_gemm.h"
 

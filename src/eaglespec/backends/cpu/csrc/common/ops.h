@@ -10,6 +10,7 @@
 #include "argmax_rows.h"
 #include "bf16_gemm.h"
 #include "commit_rows.h"
+#include "decoder_stack.h"
 #include "q4_gemm.h"
 #include "screened_argmax.h"
 #include "shared.h"
@@ -31,6 +32,9 @@ TORCH_LIBRARY(eaglespec, m) {
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, int n, Tensor? bias) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("q4_unpack(Tensor packed, int n, int k) -> Tensor");
+  m.def("decoder_stack(Tensor x, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] packed, int[] outs, int[] kinds, "
+        "Tensor?[] biases, Tensor(a!)[] keys_t, Tensor(b!)[] values, int[] cached, int[] sizes, Tensor?[] step_masks, "
+        "int heads, int kv_heads, float eps, int[] saved) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
@@ -45,4 +49,5 @@ TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
   m.impl("int8_linear", eaglespec::screen::int8_linear);
   m.impl("q4_linear", eaglespec::q4::q4_linear);
   m.impl("q4_unpack", eaglespec::q4::q4_unpack);
+  m.impl("decoder_stack", eaglespec::stack::decoder_stack);
 }

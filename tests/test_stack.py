@@ -1,0 +1,126 @@
+"""The kernels' decoder stack (backends.cpu.stack, csrc/common/decoder_stack.h): a target's layers in one call into
+the kernels. It computes the model the layers in Python compute (close logits and features, the same greedy
+tokens: other roundings, RMSNorm's sums in another order), keeps every row's bits its own (verify rows against
+one-token steps: test_tree_attention.py; batched rows against batch-1 steps and prompts read in pieces:
+test_batch.py), takes over `--compile`'s work on a target (nothing compiled, plain decoding's tokens), and rejects
+bad arguments with a clear error. Skipped where the kernels do not build."""
+
+import time
+
+import pytest
+import torch
+from conftest import TinyTokenizer, make_cpu_model
+from test_engine import PROMPTS, random_head
+from test_fastpath import PROMPT, TREE
+
+from eaglespec import Engine, TreeSettings
+from eaglespec.backends.cpu import kernels as bf16gemm
+from eaglespec.backends.cpu.stack import KernelStack
+from eaglespec.targets.fast import FastTarget
+
+pytestmark = [
+    pytest.mark.skipif(not bf16gemm.cpu_supported(), reason="this CPU has neither AVX-512 BF16 nor AVX2 + FMA"),
+    pytest.mark.skipif(not bf16gemm.can_build(), reason="building the kernels needs a C++ compiler and ninja"),
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_cpu_model("qwen2", layers=3).to(torch.bfloat16)  # q/k/v biases, GQA, untied LM head
+
+
+def targets(model, monkeypatch, feature_kind: str = "eagle3") -> tuple[FastTarget, FastTarget]:
+    """(the default target: its layers as the kernel stack, the same target with its layers in Python)."""
+    stacked = FastTarget(model, feature_kind)
+    monkeypatch.setenv("EAGLESPEC_STACK", "0")
+    python = FastTarget(model, feature_kind)
+    monkeypatch.delenv("EAGLESPEC_STACK")
+    assert stacked.kernel_stack is not None and python.kernel_stack is None
+    return stacked, python
+
+
+def test_the_stack_computes_what_the_layers_in_python_compute(model, monkeypatch):
+    stacked, python = targets(model, monkeypatch)
+    outs = []
+    for t in (stacked, python):
+        t.reset()
+        prefill = t.forward(PROMPT)
+        t.commit()
+        step = t.forward(torch.tensor([7]))
+        t.commit()
+        verify = t.forward(TREE.tokens, TREE.positions(t.cache_len), TREE.ancestor_mask())
+        outs.append((prefill, step, verify))
+    for a, b in zip(*outs):
+        # bfloat16 activations rounded at other places: close, not equal
+        torch.testing.assert_close(a.logits, b.logits, atol=0.1, rtol=0.05)
+        assert a.features.shape == b.features.shape  # three layers' inputs side by side (EAGLE-3)
+        torch.testing.assert_close(a.features.float(), b.features.float(), atol=0.05, rtol=0.05)
+        assert torch.equal(a.logits.argmax(-1), b.logits.argmax(-1))
+    c = stacked.cache_len
+    torch.testing.assert_close(stacked.keys[:, :, :c].float(), python.keys[:, :, :c].float(), atol=0.05, rtol=0.05)
+    torch.testing.assert_close(stacked.values[:, :, :c].float(), python.values[:, :, :c].float(), atol=0.05,
+                               rtol=0.05)
+
+
+def test_the_stack_saves_the_inputs_of_the_feature_layers(model, monkeypatch):
+    """EAGLE-3's features are the inputs of three layers: the first of them is the embedding itself (layer 0)."""
+    stacked, _ = targets(model, monkeypatch)
+    layers = stacked.eagle3_layers()
+    out = stacked.forward(PROMPT)
+    d = model.config.hidden_size
+    by_layer = dict(zip(layers, out.features.split(d, dim=-1)))
+    if 0 in by_layer:
+        assert torch.equal(by_layer[0], stacked.embed_tokens(PROMPT))
+
+
+@pytest.mark.parametrize("method", ["eagle2", "vanilla"])
+def test_compile_leaves_a_stacked_target_uncompiled_and_exact(model, method):
+    """With the stack, --compile compiles no target graph (as fast without: the stack has no Python between the
+    kernels) and decoding still gives plain decoding's tokens."""
+    plain = Engine.from_model(model, TinyTokenizer(), method="vanilla")
+    head = random_head(model, "eagle3").to(torch.bfloat16) if method == "eagle2" else None
+    start = time.perf_counter()
+    engine = Engine.from_model(model, TinyTokenizer(), head=head, method=method, compile=True,
+                               tree=TreeSettings(total_tokens=8, depth=4, top_k=3))
+    target = engine.target
+    assert target.compiled and target.kernel_stack is not None and target.stack is None
+    assert target.warm_up() == 0.0
+    for prompt in PROMPTS[:2]:
+        assert engine.generate(prompt, max_new_tokens=24).tokens == plain.generate(prompt, max_new_tokens=24).tokens
+    assert target.compiled_steps == 0
+    assert time.perf_counter() - start < 600  # (a draft head's steps do compile)
+
+
+def test_it_applies_only_where_every_product_runs_on_the_kernels(model, monkeypatch):
+    stacked, _ = targets(model, monkeypatch)
+    heads = (stacked.n_heads, stacked.n_kv, stacked.head_dim)
+    assert KernelStack.of(stacked.layers, heads, stacked.eps) is not None
+    oneDNN = FastTarget(model, "final", kernels=False)  # torch's products
+    assert oneDNN.kernel_stack is None
+    assert KernelStack.of(oneDNN.layers, heads, oneDNN.eps) is None
+    assert FastTarget(make_cpu_model("llama", layers=2), "final").kernel_stack is None  # float32: no kernels
+
+
+def test_bad_arguments_are_a_clear_error(model, monkeypatch):
+    stacked, _ = targets(model, monkeypatch, "final")
+    s = stacked.kernel_stack
+    x = stacked.embed_tokens(PROMPT)  # [n, d]
+    n = x.shape[0]
+    cos, sin = stacked.cos[:n], stacked.sin[:n]
+    caches = ([stacked.layer_keys], [stacked.layer_values])
+    good = dict(cached=[0], sizes=[n], step_masks=[None])
+    s(x, cos, sin, *caches, **good)  # (works)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        s(x.float(), cos, sin, *caches, **good)
+    with pytest.raises(RuntimeError, match="one cache per layer and sequence"):
+        torch.ops.eaglespec.decoder_stack(x, cos, sin, s.norms, s.packed, s.outs, s.kinds, s.biases,
+                                          stacked.layer_keys[:1], stacked.layer_values[:1], [0], [n], [None],
+                                          *s.heads[:2], s.eps, [])
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        s(x, cos[:1], sin[:1], *caches, **good)
+    with pytest.raises(RuntimeError, match="sizes add up"):
+        s(x, cos, sin, *caches, cached=[0], sizes=[n - 1], step_masks=[None])
+    with pytest.raises(RuntimeError, match="two norms and four products"):
+        torch.ops.eaglespec.decoder_stack(x, cos, sin, s.norms[:1], s.packed, s.outs, s.kinds, s.biases,
+                                          stacked.layer_keys, stacked.layer_values, [0], [n], [None], *s.heads[:2],
+                                          s.eps, [])
