@@ -208,6 +208,7 @@ def test_the_server_decodes_on_the_thread_that_built_its_engine(tokenizer, max_b
 # ---- OpenAI client: chat and completions ---------------------------------------------------------------------
 def test_chat_greedy_equals_library_and_vanilla(live, client, tokenizer):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0)
+    live.wait_idle()  # (the worker resets the engine's caches after it answers: not while we use the engine here)
     ref = live.engine.generate(CHAT, max_new_tokens=40)
     vanilla = Engine.from_model(live.engine.target.model, tokenizer, method="vanilla").generate(CHAT,
                                                                                               max_new_tokens=40)
@@ -258,6 +259,7 @@ def test_sse_wire_format(live):
 
 def test_completions_raw_prompt(live, client):
     prompt = "The quick brown fox"
+    live.wait_idle()  # (an earlier test's request may still be resetting the engine)
     ref = live.engine.generate(prompt, max_new_tokens=25, chat=False)
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=25)
     assert r.object == "text_completion" and r.choices[0].text == ref.text
@@ -289,6 +291,7 @@ def test_seeded_sampling_is_reproducible(live, client):
     a = client.chat.completions.create(**kwargs).choices[0].message.content
     b = client.chat.completions.create(**kwargs).choices[0].message.content
     c = client.chat.completions.create(**kwargs, extra_body={"top_k": 50}).choices[0].message.content
+    live.wait_idle()
     ref = live.engine.generate(CHAT, max_new_tokens=12, temperature=0.9, top_p=0.95, seed=1234).text
     ref_k = live.engine.generate(CHAT, max_new_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=1234).text
     assert a == b == ref and c == ref_k
@@ -491,8 +494,9 @@ def test_full_queue_answers_503(slow):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     batch = slow.config.max_batch
     with httpx.Client(timeout=60) as http, contextlib.ExitStack() as streams:
-        running = [streams.enter_context(_stream(slow, http, max_tokens=240)) for _ in range(batch)]
-        lines = [_first_text(r) for r in running]  # these are being generated, one per slot
+        lines = []  # these are being generated, one per slot: each is running before the next is sent (else the
+        for _ in range(batch):  # next could find the first still in the queue of one, and get a 503 itself)
+            lines.append(_first_text(streams.enter_context(_stream(slow, http, max_tokens=240))))
         with _stream(slow, http, max_tokens=240) as waiting:  # this one fills the queue (size 1)
             assert waiting.status_code == 200
             health = slow.get("/health", key=None).json()
@@ -527,6 +531,7 @@ def test_request_timeout(tokenizer):
 
 def test_concurrent_streams_with_early_disconnects(live):
     prompts = [f"Story number {i}:" for i in range(8)]
+    live.wait_idle()
     expected = {p: live.engine.generate(p, max_new_tokens=40, chat=False).text for p in prompts}
     results: dict[str, str] = {}
     errors: list[BaseException] = []
