@@ -72,21 +72,27 @@ def find_blocks(weight: Tensor) -> Blocks | None:
     m16 = low.half()
     if not bool((m16.float() == low).all()):
         return None
-    nearest = ((high - low) / 15).half()  # [N, B]
-    bits = nearest.view(torch.int16)
-    d_best = torch.zeros_like(nearest)
-    q_best = torch.zeros(w.shape, dtype=torch.uint8)
-    found = torch.zeros(n, k // BLOCK, dtype=torch.bool)
-    for step in (0, 1, -1):
-        candidate = (bits + step).clamp_min(0).view(torch.float16)  # [N, B] (d >= 0: the bits count up with it)
-        d = candidate.float()[..., None]  # [N, B, 1]
-        q = torch.where(d > 0, torch.round((w - low[..., None]) / d.clamp_min(1e-30)), 0.0).clamp(0, 15)
-        ok = ((d * q + low[..., None]) == w).all(-1) & ~found & candidate.isfinite()  # [N, B]
-        d_best = torch.where(ok, candidate, d_best)
-        q_best = torch.where(ok[..., None], q.to(torch.uint8), q_best)
-        found |= ok
-    if not bool(found.all()):
+    nearest = ((high - low) / 15).half().view(torch.int16).reshape(-1)  # [N B] as bits
+    blocks, lows = w.reshape(-1, BLOCK), low.reshape(-1, 1)  # [N B, 32], [N B, 1]
+    d_best = q_best = None  # [N B] float16, [N B, 32] uint8: the first try's for every block, then mended
+    todo = None  # the blocks not rebuilt yet (None: all of them, the first try)
+    for step in (0, 1, -1):  # each later try only on the blocks the earlier ones left
+        bits, x, base = (nearest, blocks, lows) if todo is None else (nearest[todo], blocks[todo], lows[todo])
+        candidate = (bits + step).clamp_min(0).view(torch.float16)  # [R] (d >= 0: the bits count up with it)
+        d = candidate.float()[:, None]  # [R, 1]
+        q = torch.where(d > 0, torch.round((x - base) / d.clamp_min(1e-30)), 0.0).clamp(0, 15)  # [R, 32]
+        ok = ((d * q + base) == x).all(-1) & candidate.isfinite()  # [R]
+        if todo is None:
+            d_best, q_best, todo = candidate, q.to(torch.uint8), (~ok).nonzero()[:, 0]
+        else:
+            d_best[todo[ok]] = candidate[ok]
+            q_best[todo[ok]] = q[ok].to(torch.uint8)
+            todo = todo[~ok]
+        if todo.numel() == 0:
+            break
+    if todo.numel():
         return None
+    d_best = d_best.view(n, k // BLOCK)
     return Blocks(d_best, m16, q_best.reshape(n, k))
 
 
