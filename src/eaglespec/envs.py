@@ -2,7 +2,7 @@
 
 | variable | default | effect |
 |---|---|---|
-| `EAGLESPEC_CACHE` | `$XDG_CACHE_HOME/eaglespec` or `~/.cache/eaglespec` | where assembled and converted models, tree calibrations and the kernels' loop choice are kept |
+| `EAGLESPEC_CACHE` | `$XDG_CACHE_HOME/eaglespec` or `~/.cache/eaglespec` | where assembled and converted models, the exact 4-bit packing of their layer matrices, tree calibrations and the kernels' loop choice are kept |
 | `EAGLESPEC_API_KEY` | unset | `eaglespec serve`: the key clients must send (`Authorization: Bearer KEY`); `--api-key` wins |
 | `EAGLESPEC_KERNEL_ISA` | `auto` | which build of the C++ kernels to use: `auto` (the best the CPU runs), `avx512`, `avx2` (e.g. to compare the AVX2 build on an AVX-512 CPU) |
 | `EAGLESPEC_BF16_GEMM` | `1` | `0` turns eaglespec's C++ kernels off (bfloat16 products, decode-step attention, greedy head): torch's products and row-by-row attention are used instead |

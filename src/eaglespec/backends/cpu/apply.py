@@ -21,7 +21,7 @@ from ...drafters.eagle import EagleDrafter
 from ...errors import EagleSpecError
 from ...heads.base import DraftHead
 from ...targets import source
-from . import attention, compiled, kernels, kquant, packed, q4, stack
+from . import attention, compiled, kernels, kquant, packcache, packed, q4, stack
 from .quant import check_mode
 from .quant import quantize as quantize_linear
 
@@ -43,7 +43,8 @@ class TargetKernels:
     cache_dtype: torch.dtype  # of the KV cache
     keys_transposed: bool  # the kernel's key layout, [kv_heads, head_dim, capacity]
     q4_matrices: int = 0  # layer matrices read as exact 4-bit blocks
-    q4_source: q4.Float32Source | None = field(default=None, repr=False)
+    q4_source: q4.FirstSource | None = field(default=None, repr=False)
+    pack_cache: packcache.PackCache | None = field(default=None, repr=False)  # their packing from earlier processes
 
     @property
     def argmax_rows(self) -> Callable[[Tensor], Tensor]:
@@ -103,11 +104,21 @@ class TargetKernels:
         model's GGUF file holds the matrix as Q4_K (on CPUs running the AVX2 kernels; `parameters` are the model's
         weights stacked in `weight`), else the bfloat16 kernel, else (compiled) a plain nn.Linear that inductor packs
         itself, else `linear`."""
-        if self.q4_source is not None and parameters:
-            blocks = self.q4_source.blocks(*parameters)
-            if blocks is not None:
+        if self.q4_source is not None and parameters and self.q4_source.may_have(*parameters):
+            cache = self.pack_cache
+            key = cache.key(parameters) if cache is not None else ""
+            known, packed = cache.get(key) if cache is not None else (False, None)
+            linear = None
+            if packed is not None:  # packed by an earlier process
+                linear = q4.Q4Linear.from_packed(packed, tuple(weight.shape), bias)
+            elif not known:
+                blocks = self.q4_source.blocks(*parameters)
+                linear = None if blocks is None else q4.Q4Linear(blocks, bias)
+                if cache is not None:
+                    cache.put(key, None if linear is None else linear.packed)
+            if linear is not None:
                 self.q4_matrices += 1
-                return q4.Q4Linear(blocks, bias)
+                return linear
         if self.bf16_gemm:
             return kernels.Bf16Linear(weight, bias)
         return compiled.linear_module(weight, bias) if self.compiled else self.linear(weight, bias)
@@ -130,9 +141,12 @@ class TargetKernels:
             gguf = source.gguf_file(model)
             self.q4_source = q4.FirstSource(q4.Float32Source(model),
                                             *([kquant.GGUFSource(model, gguf)] if gguf is not None else []))
+            self.pack_cache = packcache.PackCache.of(model, self.q4_source.paths)
 
     def close_q4_source(self) -> None:
-        self.q4_source = None
+        if self.pack_cache is not None:
+            self.pack_cache.save()
+        self.q4_source = self.pack_cache = None
 
     def kernel_stack(self, layers: list, heads: tuple[int, int, int], eps: float) -> stack.KernelStack | None:
         """The layers as one call into the kernels (eaglespec.backends.cpu.stack) where every step attends through

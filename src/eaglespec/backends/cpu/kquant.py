@@ -132,6 +132,7 @@ class GGUFSource:
 
     def __init__(self, model: nn.Module, path: str | Path):
         self.path = Path(path)
+        self.paths = [self.path]  # the files blocks come from
         self.names = {id(p): name for name, p in model.named_parameters()}
         self._tensors: dict | None = None
 
@@ -164,6 +165,11 @@ class GGUFSource:
         if not torch.equal(blocks.weight().to(parameter.dtype), parameter.detach().cpu()):
             return None
         return blocks
+
+    def may_have(self, *parameters: Tensor) -> bool:
+        """Whether every one of these parameters is a Q4_K matrix of the file (cheap: names only; `blocks` checks)."""
+        return all((name := gguf_name(self.names.get(id(p), ""))) is not None and name in self.tensors()
+                   for p in parameters)
 
     def blocks(self, *parameters: Tensor) -> Blocks | None:
         """The blocks of these parameters stacked along N (a fused q/k/v), or None where any has none."""

@@ -128,6 +128,17 @@ class Q4Linear(nn.Module):
         self.register_buffer("packed", q4_pack(blocks))
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
+    @classmethod
+    def from_packed(cls, packed: Tensor, shape: tuple[int, int], bias: Tensor | None = None) -> "Q4Linear":
+        """A product of [N, K] = `shape` from its packed blocks (`q4_pack`'s, e.g. read back by packcache)."""
+        linear = cls.__new__(cls)
+        nn.Module.__init__(linear)
+        kernels.load()
+        linear.out_features, linear.in_features = shape
+        linear.register_buffer("packed", packed)
+        linear.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        return linear
+
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, K]
         y = torch.ops.eaglespec.q4_linear(rows, self.packed, self.out_features, self.bias)  # [M, N]
@@ -142,10 +153,11 @@ class Float32Source:
         self.names = {id(p): name for name, p in model.named_parameters()}
         self.files: list = []
         folder = Path(str(getattr(model, "name_or_path", "") or ""))
-        if folder.is_dir():
+        self.paths = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []  # the files blocks come from
+        if self.paths:
             from safetensors import safe_open
 
-            self.files = [safe_open(str(path), framework="pt") for path in sorted(folder.glob("*.safetensors"))]
+            self.files = [safe_open(str(path), framework="pt") for path in self.paths]
 
     def get(self, parameter: Tensor) -> Tensor | None:
         """The float32 tensor stored for this parameter, or None (not found, another dtype or shape)."""
@@ -158,6 +170,14 @@ class Float32Source:
                         and torch.equal(tensor.to(parameter.dtype), parameter.detach().cpu())):
                     return tensor
         return None
+
+    def may_have(self, *parameters: Tensor) -> bool:
+        """Whether every one of these parameters is stored in float32 (cheap: the files' headers; `blocks` checks)."""
+        def stored(p: Tensor) -> bool:
+            name = self.names.get(id(p))
+            return any(name in h.keys() and h.get_slice(name).get_dtype() == "F32" for h in self.files)
+
+        return bool(parameters) and all(stored(p) for p in parameters)
 
     def blocks(self, *parameters: Tensor) -> Blocks | None:
         """`find_blocks` of these parameters' float32 weights stacked along N (a fused q/k/v), or None."""
@@ -172,6 +192,15 @@ class FirstSource:
 
     def __init__(self, *sources):
         self.sources = sources
+
+    @property
+    def paths(self) -> list[Path]:
+        """Every file the sources read blocks from."""
+        return [path for source in self.sources for path in source.paths]
+
+    def may_have(self, *parameters: Tensor) -> bool:
+        """Whether any source may have these parameters' blocks (cheap; `blocks` finds out)."""
+        return any(source.may_have(*parameters) for source in self.sources)
 
     def blocks(self, *parameters: Tensor) -> Blocks | None:
         for source in self.sources:
