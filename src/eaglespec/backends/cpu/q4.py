@@ -159,25 +159,26 @@ class Float32Source:
 
             self.files = [safe_open(str(path), framework="pt") for path in self.paths]
 
+    def _float32_files(self, parameter: Tensor) -> tuple[str | None, list]:
+        """(the parameter's name, the files that store it in float32; headers only)."""
+        name = self.names.get(id(parameter))
+        return name, [h for h in self.files if name is not None and name in h.keys()
+                      and h.get_slice(name).get_dtype() == "F32"]
+
     def get(self, parameter: Tensor) -> Tensor | None:
         """The float32 tensor stored for this parameter, or None (not found, another dtype or shape)."""
-        name = self.names.get(id(parameter))
-        for handle in self.files:
-            if name is not None and name in handle.keys() and handle.get_slice(name).get_dtype() == "F32":
-                tensor = handle.get_tensor(name)
-                # (and the parameter is that tensor, rounded to its dtype: not a model changed after loading)
-                if (tensor.dtype == torch.float32 and tensor.shape == parameter.shape
-                        and torch.equal(tensor.to(parameter.dtype), parameter.detach().cpu())):
-                    return tensor
+        name, handles = self._float32_files(parameter)
+        for handle in handles:
+            tensor = handle.get_tensor(name)
+            # (and the parameter is that tensor, rounded to its dtype: not a model changed after loading)
+            if (tensor.dtype == torch.float32 and tensor.shape == parameter.shape
+                    and torch.equal(tensor.to(parameter.dtype), parameter.detach().cpu())):
+                return tensor
         return None
 
     def may_have(self, *parameters: Tensor) -> bool:
         """Whether every one of these parameters is stored in float32 (cheap: the files' headers; `blocks` checks)."""
-        def stored(p: Tensor) -> bool:
-            name = self.names.get(id(p))
-            return any(name in h.keys() and h.get_slice(name).get_dtype() == "F32" for h in self.files)
-
-        return bool(parameters) and all(stored(p) for p in parameters)
+        return bool(parameters) and all(self._float32_files(p)[1] for p in parameters)
 
     def blocks(self, *parameters: Tensor) -> Blocks | None:
         """`find_blocks` of these parameters' float32 weights stacked along N (a fused q/k/v), or None."""
