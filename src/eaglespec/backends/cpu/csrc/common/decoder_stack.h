@@ -25,8 +25,6 @@ namespace {
 constexpr int64_t kMatrices = 4;  // per layer: qkv, o, gate_up, down
 constexpr int64_t kQ4 = 2;        // a matrix's kind: 0 or 1 the bf16_linear variant, 2 the exact 4-bit product
 
-using q4::to_bf16;
-
 inline float bf16_round(float value) { return bf16_to_float(to_bf16(value)); }
 
 // Work over rows [0, rows) of `width` values each, on the threads where there is enough of it.

@@ -37,14 +37,6 @@ constexpr int64_t kMaxM = 64;                   // rows per pass over the weight
 // nibble is shifted down, so 1
 constexpr float kNibbleScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
 
-// float32 -> bfloat16 bits, rounded to nearest even; NaN stays a quiet NaN (avx2/bf16_gemm.h's rounding).
-inline uint16_t to_bf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
-
 // Rows [0, m) (m <= kMaxM) times every group -> y [m, n] bfloat16. xs: the rows scaled by kNibbleScale (row stride
 // ldx); xsum [m][blocks]: their block sums.
 template <typename Scales>

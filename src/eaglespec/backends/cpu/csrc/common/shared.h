@@ -42,6 +42,14 @@ inline float bf16_to_float(uint16_t bits) {
   return value;
 }
 
+// float32 -> bfloat16 bits, rounded to nearest even; NaN stays a quiet NaN (avx2/bf16_gemm.h's rounding).
+inline uint16_t to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
 // `count` bfloat16 values -> float32 (exact).
 inline void widen_bf16(const uint16_t* from, int64_t count, float* to) {
   for (int64_t i = 0; i < count; ++i) to[i] = bf16_to_float(from[i]);
