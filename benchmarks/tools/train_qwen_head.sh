@@ -9,7 +9,7 @@
 # --tree 8,4,2 --sweep total_tokens=3,5,8 --warmup 1`): tau 1.37 / 1.41 / 1.47 at 3 / 5 / 8 nodes, 0.81x / 0.76x /
 # 0.55x; the first draft token was accepted at 30-33% of steps there, against 53% top-1 accuracy held out.
 # Working files go to runs/qwen/ (ignored by git). Run from the repository root after the README's install and
-# `pip install "eaglespec[qwen2.5-coder]"`.
+# `pip install -U pip && pip install "eaglespec[qwen2.5-coder]"`.
 set -euo pipefail
 mkdir -p runs/qwen/head1
 
