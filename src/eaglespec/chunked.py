@@ -88,7 +88,8 @@ def missing_parts(chunked: ChunkedFile) -> list[Part]:
 def _install_hint(chunked: ChunkedFile) -> str:
     hint = chunked.pip_command
     if chunked.extra:
-        hint += f' (or, after pip install -U pip: pip install "eaglespec[{chunked.extra}]", the extra that lists every part)'
+        hint += (f' (or, after pip install -U pip: pip install "eaglespec[{chunked.extra}]", the extra that lists '
+                 'every part)')
     return hint
 
 
