@@ -261,6 +261,19 @@ def test_sweep_runs_one_variant_per_value_and_plots_tokens_per_s(tmp_path):
     assert "## Sweep over total_tokens" in summary and "| eagle2 | 4 |" in summary and "| eagle2 | 6 |" in summary
 
 
+def test_sweep_of_total_tokens_and_top_k_varies_the_staged_tree_too():
+    """staged grows a tree of total_tokens nodes with top_k tokens ranked per chain position (top_k 1: the chain)."""
+    model, tok = make_model("llama"), TinyTokenizer()
+    ctx = MethodContext(model=model, tokenizer=tok, model_name="tiny", tree=TreeSettings(8, 3, 2),
+                        draft_model=make_model("llama", seed=3, layers=1), eos_ids=eos_ids_of(model, tok))
+    for key, values in (("top_k", (1, 4)), ("total_tokens", (3, 6))):
+        methods = build_methods(["sps", "staged"], ctx, parse_sweep(f"{key}={values[0]},{values[1]}"))
+        assert [m.name for m in methods] == ["vanilla", "sps", f"staged@{key}={values[0]}", f"staged@{key}={values[1]}"]
+        for method, value in zip(methods[2:], values):
+            assert getattr(method.engine.drafter.settings, key) == value
+            assert method.settings["tree"][key] == value
+
+
 def test_adapt_adds_an_adaptive_variant_sharing_the_engine(tmp_path):
     from eaglespec.api import Engine
     from eaglespec.drafters.autotree import TreeChoice, cache_path

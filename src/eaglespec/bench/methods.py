@@ -40,9 +40,9 @@ KNOWN_METHODS = ALL_METHODS + CEILING_METHODS
 TREE_KEYS = ("total_tokens", "depth", "top_k")
 # Which in-loop methods a swept tree setting changes (the others run once, unswept).
 SWEEP_AFFECTS = {
-    "total_tokens": ("eagle2", "eagle3"),
+    "total_tokens": ("eagle2", "eagle3", "staged"),
     "depth": ("eagle2", "eagle3", "chain", "pld", "sps", "staged", "oracle"),
-    "top_k": ("eagle2", "eagle3"),
+    "top_k": ("eagle2", "eagle3", "staged"),
 }
 HF_PLD_TOKENS = 10  # transformers' documented prompt_lookup_num_tokens example value
 LLAMA_CPP_PIP = "pip install llama-cpp-python"
