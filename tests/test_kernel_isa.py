@@ -68,16 +68,15 @@ def included(source: Path) -> set[Path]:
     return files
 
 
-OPERATORS = ["bf16_gemm", "tree_attention", "argmax_rows", "topk_rows", "screened_argmax"]  # with per-ISA kernels
+OPERATORS = ["bf16_gemm", "tree_attention", "argmax_rows", "topk_rows", "screened_argmax", "q4_gemm"]  # per ISA
 
 
 def test_each_build_is_one_translation_unit_over_shared_host_code():
     """Every build compiles one translation unit (its folder's kernels.cpp: torch's headers parsed once), which
     includes the host code every build shares (csrc/common/: the schemas, the weight packing, checks, dispatch, the
     ISA-neutral commit) and its own micro-kernels of every operator; `sources` lists exactly the files it includes
-    (their digest keys cached measurements, and the wheel must ship them). Both compile the AVX2 4-bit block product
-    (eaglespec.backends.cpu.q4), which an AVX-512 CPU runs too, so the AVX-512 build also requires and passes the flags
-    it needs."""
+    (their digest keys cached measurements, and the wheel must ship them), the 4-bit block product
+    (eaglespec.backends.cpu.q4) included. The AVX-512 build requires and passes the AVX2 build's flags too."""
     avx2 = bf16gemm.ISAS["avx2"]
     for name, build in bf16gemm.ISAS.items():
         unit = bf16gemm.CSRC / name / "kernels.cpp"
@@ -86,9 +85,8 @@ def test_each_build_is_one_translation_unit_over_shared_host_code():
         for operator in OPERATORS:
             assert {bf16gemm.CSRC / "common" / f"{operator}.h", bf16gemm.CSRC / name / f"{operator}.h"} <= set(
                 build.sources), (name, operator)
-        assert {bf16gemm.CSRC / "common" / f"{shared}.h" for shared in ("ops", "commit_rows", "q4_gemm")} <= set(
-            build.sources)
-        assert build.has_q4 and bf16gemm.Q4_SOURCE in build.sources
+        assert {bf16gemm.CSRC / "common" / f"{shared}.h" for shared in ("ops", "commit_rows")} <= set(build.sources)
+        assert build.has_q4
         # the CPU flags and compiler flags the AVX2 source needs (-mavx512f implies -mavx2, not -mf16c)
         assert avx2.cpu_flags <= build.cpu_flags and set(avx2.flags) - {"-mavx2"} <= set(build.flags)
 

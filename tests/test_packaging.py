@@ -101,7 +101,7 @@ y = torch.ops.eaglespec.bf16_linear(x, torch.ops.eaglespec.bf16_pack(weight), 10
 reference = x.float() @ weight.float().T + bias  # float32; the kernel rounds its float32 sums once to bfloat16
 assert y.dtype == torch.bfloat16 and y.shape == (3, 100)
 torch.testing.assert_close(y.float(), reference, atol=1e-2, rtol=1e-2)
-if q4.available():  # the 4-bit product (csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h) is in the build too
+if q4.available():  # the 4-bit product (csrc/common/q4_gemm.h) is in the build too
     q = torch.randint(0, 16, (40, 64), dtype=torch.uint8, generator=generator)
     blocks = q4.Blocks(torch.rand(40, 2, generator=generator).half(), -torch.rand(40, 2, generator=generator).half(), q)
     assert torch.equal(torch.ops.eaglespec.q4_unpack(q4.q4_pack(blocks), 40, 64), blocks.weight())

@@ -1,4 +1,4 @@
-"""Exact 4-bit block weights (eaglespec.backends.cpu.q4, csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h): finding
+"""Exact 4-bit block weights (eaglespec.backends.cpu.q4, csrc/common/q4_gemm.h with the build's micro-kernels): finding
 llama.cpp's Q4_1 form in float32 weights (checked against gguf's own quantizer), the packing, the product (the exact
 product rounded once to bfloat16 up to float32 rounding, row-invariant), and a compiled bfloat16 target whose layers use
 it, decoding speculatively to plain decoding's tokens. The kernel tests need a build of the kernels (AVX2, or AVX-512,

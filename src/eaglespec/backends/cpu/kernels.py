@@ -57,7 +57,7 @@ class Isa:
     @property
     def has_q4(self) -> bool:
         """Whether this build has the 4-bit block product (torch.ops.eaglespec.q4_linear, eaglespec.backends.cpu.q4)."""
-        return Q4_SOURCE in self.sources
+        return CSRC / self.name / "q4_gemm.h" in self.sources
 
 
 # The bfloat16 products, the decode-step attention, the KV-cache commit of an accepted path, the verified rows'
@@ -68,21 +68,20 @@ class Isa:
 # only the vector micro-kernels, and each build is one translation unit (its kernels.cpp), so torch's headers are
 # parsed once a build. The AVX2 micro-kernels work on 8-lane vectors; its bfloat16 product is the FMA loop only (no
 # bfloat16 dot-product instruction), with the same bits as the AVX-512 build's FMA loop, and the greedy screen
-# multiplies bytes with vpmaddubsw instead of VNNI. The 4-bit block product (micro-kernels in csrc/avx2/q4_gemm.h,
-# eaglespec.backends.cpu.q4) exists in AVX2 only and is compiled into both builds: every AVX-512 CPU also runs AVX2 +
-# FMA + F16C code, hence those flags in the AVX-512 build's requirements (GCC's -mavx512f does not imply -mf16c, which
-# the 4-bit product's float16 scales need).
+# multiplies bytes with vpmaddubsw instead of VNNI. The 4-bit block product (eaglespec.backends.cpu.q4) has micro-kernels
+# in both folders: float32 FMAs on AVX2, vdpbf16ps on AVX-512 BF16. The AVX-512 build requires and passes the AVX2 +
+# FMA + F16C flags too (GCC's -mavx512f does not imply -mf16c).
 COMMON_SOURCES = tuple(CSRC / "common" / f"{name}.h" for name in (
     "shared", "ops", "bf16_gemm", "tree_attention", "commit_rows", "argmax_rows", "topk_rows", "screened_argmax",
     "q4_gemm", "decoder_stack"))
-MICRO_KERNELS = ("bf16_gemm", "tree_attention", "argmax_rows", "topk_rows", "screened_argmax")  # in each ISA's folder
-Q4_SOURCE = CSRC / "avx2" / "q4_gemm.h"
+# in each ISA's folder
+MICRO_KERNELS = ("bf16_gemm", "tree_attention", "argmax_rows", "topk_rows", "screened_argmax", "q4_gemm")
 
 
 def _sources(folder: str) -> tuple[Path, ...]:
-    """A build's files: its translation unit, the host code and its micro-kernels (and the AVX2 4-bit ones)."""
+    """A build's files: its translation unit, the host code and its micro-kernels."""
     return ((CSRC / folder / "kernels.cpp",) + COMMON_SOURCES
-            + tuple(CSRC / folder / f"{name}.h" for name in MICRO_KERNELS) + (Q4_SOURCE,))
+            + tuple(CSRC / folder / f"{name}.h" for name in MICRO_KERNELS))
 
 
 ISAS = {

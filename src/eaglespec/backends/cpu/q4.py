@@ -4,8 +4,9 @@ Models that install here come as GGUF files, and eaglespec dequantizes them once
 Q4_1 tensor every block of 32 consecutive input channels of a row is d q + m with q in [0, 15] and d, m float16, so
 the float32 weights carry 5 bits of information per weight while bfloat16 stores 16 and rounds them. `find_blocks`
 recovers (d, m, q) from the float32 weights and checks that they rebuild every weight bit for bit; where they do,
-`Q4Linear` multiplies through csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h, which reads 20 bytes per 32 weights
-(instead of 64 in bfloat16) and sums each block as d sum(x q) + m sum(x), every product x q exact. Nothing is
+`Q4Linear` multiplies through csrc/common/q4_gemm.h with the build's micro-kernels (csrc/avx2/q4_gemm.h: float32
+FMAs; csrc/avx512/q4_gemm.h: vdpbf16ps on the q as bfloat16), which read 20 bytes per 32 weights (instead of 64 in
+bfloat16) and sum each block as d sum(x q) + m sum(x), every product x q exact. Nothing is
 approximated beyond float32 rounding: these products are those of the float32 model's weights (closer to it than
 bfloat16 ones), with bfloat16 activations as in the bfloat16 kernel, and a row gets the same bits whatever else is in
 the call.
@@ -13,8 +14,8 @@ the call.
 A GGUF file's Q4_K matrices have the same form with float32 d and m; eaglespec.backends.cpu.kquant reads them from the
 file (`Blocks` with float32 d and m, packed in 24 bytes per 32 weights).
 
-Used by bfloat16 fast targets wherever eaglespec's kernels run (`available`: the AVX2 build, and the AVX-512 build,
-which compiles the same AVX2 source); $EAGLESPEC_Q4=0 turns it off (the layers then use the bfloat16 kernel).
+Used by bfloat16 fast targets wherever eaglespec's kernels run (`available`: both builds have it; their sums differ
+in the last bits, each row-invariant); $EAGLESPEC_Q4=0 turns it off (the layers then use the bfloat16 kernel).
 Weights without either form (a model from safetensors, a Q8_0, Q5_0 or Q6_K tensor) stay on the bfloat16 kernel,
 layer matrix by layer matrix.
 """
@@ -31,13 +32,13 @@ from ... import envs
 from . import kernels
 
 BLOCK = 32  # input channels per block
-COLUMNS = 32  # output columns per packed group (csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h)
+COLUMNS = 32  # output columns per packed group (csrc/common/q4_gemm.h, csrc/common/shared.h)
 ENV = envs.Q4
 
 
 def available() -> bool:
-    """True where Q4Linear runs: this CPU loads a build of the kernels with the 4-bit product (both builds have it:
-    the AVX-512 one compiles csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h too) and $EAGLESPEC_Q4 is not 0."""
+    """True where Q4Linear runs: this CPU loads a build of the kernels with the 4-bit product (both builds have it)
+    and $EAGLESPEC_Q4 is not 0."""
     build = kernels.isa()
     return build is not None and build.has_q4 and envs.q4_enabled()
 
@@ -97,7 +98,7 @@ def find_blocks(weight: Tensor) -> Blocks | None:
 
 
 def q4_pack(blocks: Blocks) -> Tensor:
-    """csrc/common/q4_gemm.h with csrc/avx2/q4_gemm.h's layout: [ceil(N/32), K/32, 640 or 768] uint8; per
+    """csrc/common/q4_gemm.h's layout (both builds' micro-kernels read it): [ceil(N/32), K/32, 640 or 768] uint8; per
     group-block d (32 float16 or float32, as `blocks.d`), m (32 of the same), then uint32 words [4 octets][32 columns]
     whose nibble i holds q[column][32 b + 8 octet + i]."""
     if blocks.d.dtype not in (torch.float16, torch.float32) or blocks.m.dtype != blocks.d.dtype:

@@ -22,6 +22,8 @@ namespace eaglespec::q4 {
 namespace {
 namespace avx2 {
 
+constexpr bool kBf16Rows = false;  // the rows come as float32 scaled by kNibbleScale (common/q4_gemm.h)
+
 inline __m256 half8(const uint8_t* p) {  // 8 float16 -> 8 float32 (exact)
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -109,8 +111,9 @@ void group_rows(const float* xs, int64_t ldx, const float* xsum, int64_t blocks,
 }
 
 template <typename Scales>
-void group_rows(int64_t rows, const float* xs, int64_t ldx, const float* xsum, int64_t blocks, const uint8_t* group,
-                float* acc) {
+void group_rows(int64_t rows, const void* x_rows, int64_t ldx, const float* xsum, int64_t blocks,
+                const uint8_t* group, float* acc) {
+  const auto* xs = static_cast<const float*>(x_rows);
   switch (rows) {
     case 1: return group_rows<Scales, 1>(xs, ldx, xsum, blocks, group, acc);
     case 2: return group_rows<Scales, 2>(xs, ldx, xsum, blocks, group, acc);
@@ -183,8 +186,9 @@ void wide_tile(const float* xs, int64_t ldx, const float* xsum, int64_t blocks, 
 // All m rows times all 32 columns of a group, the wide way: acc [m][kCols] (zeroed here).
 template <typename Scales>
 __attribute__((noinline))  // (inlined into linear_rows, it made the 1-row path 10-15% slower)
-void group_rows_wide(int64_t m, const float* xs, int64_t ldx, const float* xsum, int64_t blocks, const uint8_t* group,
-                     float* acc) {
+void group_rows_wide(int64_t m, const void* x_rows, int64_t ldx, const float* xsum, int64_t blocks,
+                     const uint8_t* group, float* acc) {
+  const auto* xs = static_cast<const float*>(x_rows);
   alignas(32) float qm[kBlockK * kCols];
   std::fill(acc, acc + m * kCols, 0.0f);
   for (int64_t b = 0; b < blocks; ++b) {

@@ -1,28 +1,32 @@
-// Few-row products with weights stored as 4-bit blocks, for CPUs with AVX2 + FMA + F16C:
-// y[M, N] = x[M, K] W[N, K]^T (+ b), where every block of 32 consecutive k of a row of W is exactly d q + m with
-// q in [0, 15] and d, m float16 (llama.cpp's Q4_1 form; eaglespec.backends.cpu.q4 finds it in float32 weights) or
-// float32 (llama.cpp's Q4_K, read from a GGUF file by eaglespec.backends.cpu.kquant), packed by q4.q4_pack.
+// Few-row products with weights stored as 4-bit blocks: y[M, N] = x[M, K] W[N, K]^T (+ b), where every block of 32
+// consecutive k of a row of W is exactly d q + m with q in [0, 15] and d, m float16 (llama.cpp's Q4_1 form;
+// eaglespec.backends.cpu.q4 finds it in float32 weights) or float32 (llama.cpp's Q4_K, read from a GGUF file by
+// eaglespec.backends.cpu.kquant), packed by q4.q4_pack.
 //
 // Why: a decode step of a small model on a few cores is bound by reading its weights; 20 bytes per 32 weights here
 // against 64 in bfloat16 (SmolLM2-135M's layers: 66 MB a step instead of 212).
 //
 // The sum over a block factors: sum_k x[k] (d q[k] + m) = d S + m X with S = sum_k x[k] q[k] and X = sum_k x[k], so a
-// weight costs no rebuild, only its q as a float (the micro-kernels: avx2/q4_gemm.h, the only ones, which the
-// AVX-512 build runs too). Every product x[k] q[k] is exact and every row goes through the same sums in the same
-// order whatever the number of rows in the call: a row gets the same bits alone or in a verify pass (row-invariant),
-// which keeps speculative decoding exactly plain decoding. The result is the float32 product of the exact 4-bit
-// weights to float32 rounding (not bit for bit the bfloat16 kernel's).
+// weight costs no rebuild, only its q as a number (the micro-kernels: avx2/q4_gemm.h as float32 FMAs,
+// avx512/q4_gemm.h as bfloat16 pairs through vdpbf16ps). Every product x[k] q[k] is exact and every row goes through
+// the same sums in the same order whatever the number of rows in the call: a row gets the same bits alone or in a
+// verify pass (row-invariant), which keeps speculative decoding exactly plain decoding. The result is the float32
+// product of the exact 4-bit weights to float32 rounding (not bit for bit the bfloat16 kernel's, nor the other
+// build's).
 //
-// The packed layout (q4_pack in eaglespec/q4.py): common/shared.h, beside its constants.
+// The packed layout (q4_pack in eaglespec/q4.py): common/shared.h, beside its constants. Both builds read it.
 //
-// Up to 4 rows multiply the packed nibbles in registers; more take the wide path, which turns each group-block into
-// floats once in L1 (same products, same order of sums, same bits: row-invariant across the two).
+// AVX2: up to 4 rows multiply the packed nibbles in registers; more take the wide path, which turns each group-block
+// into floats once in L1 (same products, same order of sums, same bits: row-invariant across the two). AVX-512: any
+// number of rows in tiles of up to 8 (group_rows and group_rows_wide alike), the q turned into bfloat16 once per tile
+// and group-block.
 // Threads: at::parallel_for over column groups (torch's intra-op pool).
 //
 // The micro-kernels (isa::, included before this), each for the two packings of d and m (isa::HalfScales,
-// isa::FloatScales; the packed tensor's block size tells which): group_rows (up to kPassRows rows times all 32
-// columns of a group -> acc), group_rows_wide (any number of rows), unpack_block (a group-block's q as float32) and
-// block_scales (its d and m as float32).
+// isa::FloatScales; the packed tensor's block size tells which): isa::kBf16Rows (whether they take the bfloat16
+// rows, or float32 rows scaled by kNibbleScale), group_rows (AVX2: up to kPassRows rows; AVX-512: any number, times
+// all 32 columns of a group -> acc), group_rows_wide (any number of rows), unpack_block (a group-block's q as
+// float32) and block_scales (its d and m as float32).
 
 #pragma once
 
@@ -37,16 +41,17 @@ constexpr int64_t kMaxM = 64;                   // rows per pass over the weight
 // nibble is shifted down, so 1
 constexpr float kNibbleScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
 
-// Rows [0, m) (m <= kMaxM) times every group -> y [m, n] bfloat16. xs: the rows scaled by kNibbleScale (row stride
-// ldx); xsum [m][blocks]: their block sums.
+// Rows [0, m) (m <= kMaxM) times every group -> y [m, n] bfloat16. xs: the rows as the micro-kernels take them
+// (isa::kBf16Rows: the bfloat16 inputs; else float32 scaled by kNibbleScale), row stride ldx; xsum [m][blocks]: their
+// block sums.
 template <typename Scales>
-void linear_rows(const float* xs, const float* xsum, int64_t ldx, int64_t m, const uint8_t* wp,
+void linear_rows(const void* xs, const float* xsum, int64_t ldx, int64_t m, const uint8_t* wp,
                  int64_t groups, int64_t blocks, int64_t n, const float* bp, uint16_t* yp) {
   at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
-    alignas(32) float acc[kMaxM * kCols];
+    alignas(64) float acc[kMaxM * kCols];
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* group = wp + g * blocks * Scales::kBytes;
-      if (m > kPassRows)  // the same bits either way (avx2/q4_gemm.h): the cheaper one for m rows
+      if (m > kPassRows)  // the same bits either way: the cheaper one for m rows (AVX-512: the same code)
         isa::group_rows_wide<Scales>(m, xs, ldx, xsum, blocks, group, acc);
       else
         isa::group_rows<Scales>(m, xs, ldx, xsum, blocks, group, acc);
@@ -83,18 +88,21 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const float* bp = float_data(bias);
   const int64_t blocks = k / kBlockK, chunk = std::min(kMaxM, m);
-  std::unique_ptr<float[]> xf(new float[chunk * k]), xs(new float[chunk * k]), xsum(new float[chunk * blocks]);
+  std::unique_ptr<float[]> xf(new float[chunk * k]), xs(new float[isa::kBf16Rows ? 0 : chunk * k]),
+      xsum(new float[chunk * blocks]);
   for (int64_t row = 0; row < m; row += kMaxM) {  // each row's sums are independent of the chunk it is in
     const int64_t rows = std::min(kMaxM, m - row);
     widen_bf16(xp + row * k, rows * k, xf.get());  // exact float32 copies of the bfloat16 inputs
-    for (int64_t i = 0; i < rows * k; ++i) xs[i] = xf[i] * kNibbleScale[i % 8];
+    if (!isa::kBf16Rows)
+      for (int64_t i = 0; i < rows * k; ++i) xs[i] = xf[i] * kNibbleScale[i % 8];
     for (int64_t i = 0; i < rows * blocks; ++i) {  // in order of k
       float sum = 0.0f;
       for (int64_t kk = 0; kk < kBlockK; ++kk) sum += xf[i * kBlockK + kk];
       xsum[i] = sum;
     }
+    const void* rows_in = isa::kBf16Rows ? static_cast<const void*>(xp + row * k) : xs.get();
     (float_scales ? linear_rows<isa::FloatScales> : linear_rows<isa::HalfScales>)(
-        xs.get(), xsum.get(), k, rows, packed.data_ptr<uint8_t>(), packed.size(0), blocks, n, bp, yp + row * n);
+        rows_in, xsum.get(), k, rows, packed.data_ptr<uint8_t>(), packed.size(0), blocks, n, bp, yp + row * n);
   }
   return y;
 }
@@ -104,13 +112,13 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n
 template <typename Scales>
 void unpack(const at::Tensor& packed, int64_t k, float* out) {
   const int64_t groups = packed.size(0), blocks = packed.size(1);
-  alignas(32) float qf[kBlockK * kCols];
+  alignas(64) float qf[kBlockK * kCols];
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* blk = wp + (g * blocks + b) * Scales::kBytes;
       isa::unpack_block<Scales>(blk, qf);
-      alignas(32) float d[kCols], m[kCols];
+      alignas(64) float d[kCols], m[kCols];
       isa::block_scales<Scales>(blk, d, m);
       for (int64_t kk = 0; kk < kBlockK; ++kk)
         for (int64_t c = 0; c < kCols; ++c)
