@@ -68,9 +68,9 @@ class Isa:
 # only the vector micro-kernels, and each build is one translation unit (its kernels.cpp), so torch's headers are
 # parsed once a build. The AVX2 micro-kernels work on 8-lane vectors; its bfloat16 product is the FMA loop only (no
 # bfloat16 dot-product instruction), with the same bits as the AVX-512 build's FMA loop, and the greedy screen
-# multiplies bytes with vpmaddubsw instead of VNNI. The 4-bit block product (eaglespec.backends.cpu.q4) has micro-kernels
-# in both folders: float32 FMAs on AVX2, vdpbf16ps on AVX-512 BF16. The AVX-512 build requires and passes the AVX2 +
-# FMA + F16C flags too (GCC's -mavx512f does not imply -mf16c).
+# multiplies bytes with vpmaddubsw instead of VNNI. The 4-bit block product (eaglespec.backends.cpu.q4) has
+# micro-kernels in both folders: float32 FMAs on AVX2, vdpbf16ps on AVX-512 BF16. The AVX-512 build requires and
+# passes the AVX2 + FMA + F16C flags too (GCC's -mavx512f does not imply -mf16c).
 COMMON_SOURCES = tuple(CSRC / "common" / f"{name}.h" for name in (
     "shared", "ops", "bf16_gemm", "tree_attention", "commit_rows", "argmax_rows", "topk_rows", "screened_argmax",
     "q4_gemm", "decoder_stack"))
