@@ -12,8 +12,8 @@ src/eaglespec/csrc/ from e9119e2 until then; the 4-bit product is common/q4_gemm
 the older flat layout (csrc/avx2/q4_gemm.cpp, e.g. d1b9b2b~1) are refused. Both versions are the build this CPU loads
 (eaglespec.backends.cpu.kernels.isa(): AVX-512 micro-kernels since they exist, AVX2 ones before, compiled with the
 AVX-512 flags; EAGLESPEC_KERNEL_ISA=avx2 picks the AVX2 build), with the working tree's flags for it. --random times
-random exact 4-bit blocks of the step's shapes instead of the real weights (no model download). Prints the median milliseconds of
-a step's layer products (the LM head is not included) for each build.
+random exact 4-bit blocks of the step's shapes instead of the real weights (no model download). Prints the median
+milliseconds of a step's layer products (the LM head is not included) for each build.
 """
 
 import argparse
