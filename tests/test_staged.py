@@ -280,6 +280,26 @@ def test_staged_engine_with_a_corpus_model_equals_vanilla(tmp_path):
     assert engine.drafter.guessed > 0  # the corpus model guessed (the prompt alone has no repeated n-gram)
 
 
+def test_tree_auto_gives_staged_its_hardware_class_tree():
+    """--tree auto: the class's STAGED_TREES entry (a CPU: the bare chain); a fixed or absent tree stays as given."""
+    from eaglespec.drafters.autotree import STAGED_TREES, cpu_class
+    from eaglespec.spec.adaptive import AdaptiveDrafter
+
+    target, tok = make_model("qwen2", seed=0), TinyTokenizer()
+    draft = make_model("qwen2", seed=1, layers=2)
+    expected = vanilla(target, PROMPT, 24)
+    auto = Engine.from_model(target, tok, method="staged", tree="auto", draft_hf_model=draft)
+    assert isinstance(auto.drafter, AdaptiveDrafter)  # (and adaptive, as generate runs it)
+    chosen = auto.drafter.settings
+    assert chosen == STAGED_TREES[cpu_class(auto.target)]
+    if auto.target.device.type == "cpu":
+        assert chosen.top_k == 1 and auto.drafter.inner.branches == 1  # the draft model's chain
+    assert auto.generate(PROMPT, max_new_tokens=24).tokens == expected
+    fixed = Engine.from_model(target, tok, method="staged", tree=TreeSettings(8, 3, 4), draft_hf_model=draft)
+    assert fixed.drafter.settings == TreeSettings(8, 3, 4) and fixed.drafter.branches == 4
+    assert Engine.from_model(target, tok, method="staged", draft_hf_model=draft).drafter.settings == TreeSettings()
+
+
 def test_cli_builds_an_ngram_model_and_refuses_it_without_staged(tmp_path, capsys):
     from test_train import conversations, make_tokenizer, write_sharegpt
 

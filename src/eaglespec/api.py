@@ -149,6 +149,10 @@ class Engine:
         self.head = head
         self.method = method
         settings = None if isinstance(tree, str) else tree
+        if method == "staged" and isinstance(tree, str):  # its tree by hardware class (drafters.autotree)
+            from .drafters.autotree import STAGED_TREES, cpu_class
+
+            settings = STAGED_TREES[cpu_class(self.target)]
         self.decoder = SpecDecoder(self.target, tokenizer, self._make_drafter(method, head, settings, head_name))
         self.tree_choice = None
         if tree in ("auto", "calibrate") and method in ("eagle2", "chain") and head is not None:

@@ -81,6 +81,20 @@ DEFAULT_TREES = {
 }
 
 
+# What `--tree auto` (and `calibrate`, which measures nothing for it) gives `staged` (a draft model's tree,
+# drafters/staged.py), by the same classes: on a CPU the draft model's bare 5-token chain, which measured faster than
+# its 16-node tree on both CPU classes (Qwen2.5-Coder-1.5B with the 0.5B draft, 4 MT-bench first turns: 15.82 against
+# 11.51 tokens/s on a Zen 4 VM with AVX-512 BF16, benchmarks/runs/2026-11-28-zen4-1.5b; 1.27x against 0.83x plain
+# decoding on a Zen 3 VM with AVX2, 2026-11-27): a verify pass's extra rows cost more there than the alternatives'
+# extra acceptance brings. On a GPU, where extra rows are nearly free, the paper's tree (not measured here).
+STAGED_TREES = {
+    "gpu": TreeSettings(total_tokens=16, depth=5, top_k=4),
+    "avx512": TreeSettings(total_tokens=6, depth=5, top_k=1),
+    "avx2": TreeSettings(total_tokens=6, depth=5, top_k=1),
+    "cpu": TreeSettings(total_tokens=6, depth=5, top_k=1),
+}
+
+
 def cpu_class(target: TargetModel) -> str:
     """The key of DEFAULT_TREES for `target` on this machine: a CUDA GPU, or the CPU's kernel build (AVX-512, AVX2),
     else cpu."""
