@@ -24,7 +24,7 @@ from eaglespec.train.data import (
     transformers_generator,
 )
 from eaglespec.train.export import export_head
-from eaglespec.train.features import CachedFeatures, OnlineFeatures, open_feature_stores
+from eaglespec.train.features import CachedFeatures, OnlineFeatures, open_feature_stores, pad_examples
 from eaglespec.train.trainer import TrainConfig, Trainer, lr_lambda
 from eaglespec.train.vocab import select_draft_vocab, token_counts
 
@@ -334,6 +334,36 @@ def test_cached_features_equal_online_features(tmp_path, data_file, target_model
     real = a.attention_mask
     assert torch.allclose(a.last[real], b.last[real], atol=1e-5)
     assert torch.allclose(a.features[real], b.features[real], atol=1e-5)
+
+
+def test_bfloat16_features_are_computed_under_autocast_and_cached_apart(tmp_path, data_file, target_model, tok, capsys):
+    """--feature-dtype bfloat16: the float32 target's products run in bfloat16 (close to, not equal to, float32
+    features), the weights stay float32, and the store is a different one from the float32 features'."""
+    target = TargetModel(target_model, feature_kind="eagle3")
+    examples = encode_dataset(tok, read_conversations(data_file))[:4]
+    ids, _, attn = pad_examples(examples)
+    last32, feats32 = target.features_for_batch(ids, attn.long())
+    last16, feats16 = target.features_for_batch(ids, attn.long(), torch.bfloat16)
+    real = attn.bool()
+    assert feats16.dtype == torch.float32 and next(target_model.parameters()).dtype == torch.float32
+    assert not torch.equal(feats16[real], feats32[real])
+    scale = feats32[real].abs().max()
+    assert (feats16[real] - feats32[real]).abs().max() < 0.05 * scale
+    assert torch.equal(last16, target.features_for_batch(ids, attn.long(), torch.bfloat16)[0])  # deterministic
+    root = tmp_path / "cache"
+    [f32] = open_feature_stores(target, [examples], root, "tiny", progress=False)
+    [b16] = open_feature_stores(target, [examples], root, "tiny", progress=False, compute_dtype=torch.bfloat16)
+    assert capsys.readouterr().err.count("4 conversations to compute") == 2
+    assert f32.folder != b16.folder
+    assert '"computed_in": "torch.bfloat16"' in (b16.folder / "meta.json").read_text()
+    n = examples[1].input_ids.numel()
+    assert torch.equal(b16.rows(1)[1], feats16[1, :n].to(torch.bfloat16))
+    trainer = Trainer(config(tmp_path, data_file, kind="eagle3", cache_features=str(root), feature_dtype="bfloat16"),
+                      target_model, tok, progress=False)
+    store = trainer.train_source.refs[0][0]
+    assert '"computed_in": "torch.bfloat16"' in (store.folder / "meta.json").read_text()
+    with pytest.raises(EagleSpecError, match="--feature-dtype"):
+        Trainer(config(tmp_path, data_file, feature_dtype="float16"), target_model, tok, progress=False)
 
 
 def test_feature_cache_keeps_one_store_per_file_and_reuses_it(tmp_path, target_model, tok, capsys):

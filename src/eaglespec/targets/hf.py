@@ -241,23 +241,29 @@ class TargetModel:
 
     # ---- training ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def features_for_batch(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def features_for_batch(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                           compute_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """Whole right-padded sequences, no KV cache (for training a head): input_ids, attention_mask [B, T].
         Returns (last [B, T, d]: post-norm last hidden, the LM head's input; features [B, T, F] of this adapter's
-        feature_kind). Leaves the generation cache untouched."""
+        feature_kind), in the model's dtype. `compute_dtype` (e.g. bfloat16 for a float32 model) runs the matrix
+        products in that dtype under autocast, keeping the weights as they are. Leaves the generation cache
+        untouched."""
         if input_ids.shape[1] > self.max_context:
             raise EagleSpecError(
                 f"training sequence of {input_ids.shape[1]} tokens exceeds the context of {self.max_context}")
         want_layers = self.feature_kind == "eagle3"
-        out = self.decoder(
-            input_ids=input_ids.to(self.device),
-            attention_mask=None if attention_mask is None else attention_mask.to(self.device),
-            use_cache=False,
-            output_hidden_states=want_layers,
-        )
-        last = out.last_hidden_state  # [B, T, d]
+        autocast = compute_dtype is not None and compute_dtype != self.dtype
+        with torch.autocast(self.device.type, dtype=compute_dtype, enabled=autocast):
+            out = self.decoder(
+                input_ids=input_ids.to(self.device),
+                attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+                use_cache=False,
+                output_hidden_states=want_layers,
+            )
+        last = out.last_hidden_state.to(self.dtype)  # [B, T, d]
         if want_layers:
             features = torch.cat([out.hidden_states[i] for i in self.eagle3_layers()], dim=-1)  # [B, T, 3d]
+            features = features.to(self.dtype)
         else:
             features = last
         return last, features

@@ -134,7 +134,8 @@ def cmd_head(args: argparse.Namespace) -> int:
         lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         noise=args.noise, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps, eval_steps=args.eval_steps,
         eval_size=args.eval_size, eval_every=args.eval_every, save_every=args.save_every, log_every=args.log_every,
-        seed=args.seed, cache_features=args.cache_features, save_dtype=args.save_dtype,
+        seed=args.seed, cache_features=args.cache_features, feature_dtype=args.feature_dtype,
+        save_dtype=args.save_dtype,
         mixed_precision=args.mixed_precision, time_budget_min=args.time_budget, ce_vocab=args.ce_vocab,
         init_head=args.init_head, reselect_vocab=args.reselect_vocab, intermediate_size=args.intermediate_size,
     )
@@ -250,6 +251,9 @@ def register_head(sub) -> None:
                         "(adding a file computes only its features; size printed first); default: online")
     h.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the final head's weights")
+    h.add_argument("--feature-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype the target computes the training features in; bfloat16 (autocast, weights unchanged) "
+                        "is about twice as fast on CPUs with native bfloat16 (AVX-512 BF16, AMX) and on GPUs")
     h.add_argument("--mixed-precision", default="auto", choices=["auto", "no", "bf16", "fp16"],
                    help="auto = bf16 on a GPU (fp16 before Ampere), off on CPU")
     h.add_argument("--time-budget", type=float, default=None, metavar="MIN",

@@ -57,21 +57,25 @@ def pad_examples(examples: list[Example]) -> tuple[Tensor, Tensor, Tensor]:
 class OnlineFeatures:
     """Runs the target on every batch (no disk; costs one target forward per example per epoch)."""
 
-    def __init__(self, target: TargetModel, examples: list[Example]):
+    def __init__(self, target: TargetModel, examples: list[Example], compute_dtype: torch.dtype | None = None):
         self.target = target
         self.examples = examples
+        self.compute_dtype = compute_dtype
 
     def lengths(self) -> list[int]:
         return [ex.input_ids.numel() for ex in self.examples]
 
     def batch(self, indices: list[int]) -> Batch:
         ids, loss, attn = pad_examples([self.examples[i] for i in indices])
-        last, features = self.target.features_for_batch(ids, attn.long())
+        last, features = self.target.features_for_batch(ids, attn.long(), self.compute_dtype)
         return Batch(ids, loss, attn, last, features)
 
 
-def dataset_fingerprint(examples: list[Example], model_name: str) -> str:
-    h = hashlib.sha256(f"{model_name}|{len(examples)}".encode())
+def dataset_fingerprint(examples: list[Example], model_name: str, compute_dtype: torch.dtype | None = None) -> str:
+    """Names a feature store: the model, the encoded examples and, when it is not the model's own, the dtype the
+    features were computed in (bfloat16 features are not float32 ones)."""
+    computed = "" if compute_dtype is None else f"|{compute_dtype}"
+    h = hashlib.sha256(f"{model_name}{computed}|{len(examples)}".encode())
     for ex in examples:
         h.update(ex.input_ids.numpy().tobytes())
         h.update(ex.loss_mask.numpy().tobytes())
@@ -95,12 +99,13 @@ class FeatureStore:
     SHARD_EXAMPLES = 256
 
     def __init__(self, target: TargetModel, examples: list[Example], root: str | Path, model_name: str,
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, compute_dtype: torch.dtype | None = None):
         self.examples = examples
         self.target = target
-        self.dtype = dtype
+        self.dtype = dtype  # what the shards store
+        self.compute_dtype = None if compute_dtype == target.dtype else compute_dtype  # what the target computes in
         self.want_fused = target.feature_kind == "eagle3"
-        self.fingerprint = dataset_fingerprint(examples, model_name)
+        self.fingerprint = dataset_fingerprint(examples, model_name, self.compute_dtype)
         self.folder = Path(root) / f"{self.fingerprint}-eagle3"
         # EAGLE-1 reads a complete EAGLE-3 store when there is one (its "last" rows are all it needs).
         if not self.want_fused and self._todo():
@@ -128,7 +133,8 @@ class FeatureStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / "meta.json").write_text(json.dumps(
             {"fingerprint": self.fingerprint, "examples": len(self.examples),
-             "feature_kind": self.target.feature_kind, "dtype": str(self.dtype)}) + "\n")
+             "feature_kind": self.target.feature_kind, "dtype": str(self.dtype),
+             "computed_in": str(self.compute_dtype or self.target.dtype)}) + "\n")
         for k in todo:
             idx = list(range(k * self.SHARD_EXAMPLES, min((k + 1) * self.SHARD_EXAMPLES, len(self.examples))))
             # Sort by length inside the shard so batches pad little; rows are stored back in example order.
@@ -138,7 +144,7 @@ class FeatureStore:
             for s in range(0, len(order), batch_size):
                 chunk = order[s : s + batch_size]
                 ids, _, attn = pad_examples([self.examples[i] for i in chunk])
-                last, features = self.target.features_for_batch(ids, attn.long())
+                last, features = self.target.features_for_batch(ids, attn.long(), self.compute_dtype)
                 for row, i in enumerate(chunk):
                     n = self.examples[i].input_ids.numel()
                     last_rows[i] = last[row, :n].to("cpu", self.dtype)
@@ -182,12 +188,12 @@ class FeatureStore:
 
 def open_feature_stores(target: TargetModel, files: list[list[Example]], root: str | Path, model_name: str,
                         batch_size: int = 8, dtype: torch.dtype = torch.bfloat16,
-                        progress: bool = True) -> list[FeatureStore]:
+                        progress: bool = True, compute_dtype: torch.dtype | None = None) -> list[FeatureStore]:
     """One loaded store per data file (`files[f]` = that file's examples), computing missing shards first; the
     disk size of what will be written is printed before anything is."""
     from tqdm import tqdm
 
-    stores = [FeatureStore(target, examples, root, model_name, dtype) for examples in files]
+    stores = [FeatureStore(target, examples, root, model_name, dtype, compute_dtype) for examples in files]
     missing = [ex for s in stores for ex in s.missing()]
     if missing:
         size = cache_size_bytes(missing, target, dtype)

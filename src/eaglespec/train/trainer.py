@@ -73,6 +73,7 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     cache_features: str | None = None  # folder for cached target features; None = online
+    feature_dtype: str = "float32"  # what the target computes training features in (bfloat16: under autocast)
     save_dtype: str = "float32"  # dtype of the final head's weights
     mixed_precision: str = "auto"  # auto = bf16 on GPU, none on CPU
     time_budget_min: float | None = None  # stop training (and write the head) after this many minutes
@@ -212,15 +213,25 @@ class Trainer:
         if c.cache_features:
             if not self.accelerator.is_main_process:  # the main process computes missing features first
                 self.accelerator.wait_for_everyone()
-            stores = open_feature_stores(self.target, files, c.cache_features, c.model, progress=self.progress)
+            stores = open_feature_stores(self.target, files, c.cache_features, c.model, progress=self.progress,
+                                         compute_dtype=self._feature_dtype())
             if self.accelerator.is_main_process:
                 self.accelerator.wait_for_everyone()
             refs = [(store, j) for store in stores for j in range(len(store.examples))]
             return (CachedFeatures([refs[i] for i in train_idx]),
                     CachedFeatures([refs[i] for i in held_idx]) if held_idx else None)
         examples = [ex for file in files for ex in file]
-        return (OnlineFeatures(self.target, [examples[i] for i in train_idx]),
-                OnlineFeatures(self.target, [examples[i] for i in held_idx]) if held_idx else None)
+        compute = self._feature_dtype()
+        return (OnlineFeatures(self.target, [examples[i] for i in train_idx], compute),
+                OnlineFeatures(self.target, [examples[i] for i in held_idx], compute) if held_idx else None)
+
+    def _feature_dtype(self) -> torch.dtype | None:
+        """The dtype the target computes features in, None where that is its own."""
+        names = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+        if self.config.feature_dtype not in names:
+            raise EagleSpecError(f"--feature-dtype must be float32 or bfloat16, got '{self.config.feature_dtype}'")
+        dtype = names[self.config.feature_dtype]
+        return None if dtype == self.target.dtype else dtype
 
     def _new_head(self, train: list[Example]) -> DraftHead:
         c = self.config
