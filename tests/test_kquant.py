@@ -1,6 +1,7 @@
 """Q4_K matrices read from a GGUF file as exact 4-bit blocks (eaglespec.backends.cpu.kquant): the blocks rebuild
-gguf's own dequantization bit for bit, the header index agrees with gguf's reader, the float32-scale packing runs
-through the 4-bit product row-invariantly, and a tiny Qwen2 (the 1.5B's shape features: biased q/k/v, untied LM
+gguf's own dequantization bit for bit, the header index agrees with gguf's reader, the super-block packing (the
+file's float16 d and dmin, 6-bit sc and mn) unpacks to those weights and runs through the 4-bit product
+row-invariantly, and a tiny Qwen2 (the 1.5B's shape features: biased q/k/v, untied LM
 head, grouped KV heads) whose layer matrices are Q4_K in its GGUF decodes speculatively to plain decoding's tokens
 on them. The kernel tests need a build of the kernels and a compiler, like tests/test_q4.py."""
 
@@ -40,7 +41,8 @@ def test_blocks_rebuild_gguf_dequantization_bit_for_bit():
     n, k = 48, 512
     raw = random_q4_k(n, k, seed=0)
     blocks = kquant.q4_k_blocks(raw, n, k)
-    assert blocks.d.dtype == blocks.m.dtype == torch.float32 and blocks.d.shape == (n, k // 32)
+    assert blocks.d.dtype == blocks.dmin.dtype == torch.float16 and blocks.d.shape == (n, k // 256)
+    assert blocks.sc.shape == blocks.mn.shape == (n, k // 32) and int(max(blocks.sc.max(), blocks.mn.max())) <= 63
     assert blocks.q.shape == (n, k) and int(blocks.q.max()) <= 15
     assert torch.equal(blocks.weight(), gguf_weight(raw, n, k))
     with pytest.raises(ValueError, match="not a Q4_K matrix"):
@@ -93,12 +95,14 @@ def test_tensor_index_agrees_with_gguf_reader(tmp_path, alignment):
 
 @needs_kernel
 @pytest.mark.parametrize("n,k", [(96, 256), (40, 512)])
-def test_float32_scales_pack_rebuild_the_weights_and_are_row_invariant(n, k):
+def test_super_blocks_pack_rebuild_the_weights_and_are_row_invariant(n, k):
     bf16gemm.load()
     raw = random_q4_k(n, k, seed=n)
     blocks = kquant.q4_k_blocks(raw, n, k)
     packed = q4.q4_pack(blocks)
-    assert packed.shape == ((n + 31) // 32, k // 32, 768)
+    assert packed.shape == ((n + 31) // 32, k // 256, 4736)  # 18.5 bytes per 32 weights
+    stacked = q4.SuperBlocks.cat([blocks, kquant.q4_k_blocks(random_q4_k(24, k, seed=1), 24, k)])
+    assert torch.equal(torch.ops.eaglespec.q4_unpack(q4.q4_pack(stacked), n + 24, k), stacked.weight())
     weight = gguf_weight(raw, n, k)
     assert torch.equal(torch.ops.eaglespec.q4_unpack(packed, n, k), weight)
     bias = torch.randn(n)
@@ -112,10 +116,13 @@ def test_float32_scales_pack_rebuild_the_weights_and_are_row_invariant(n, k):
         assert torch.equal(layer(x[:rows]), whole[:rows]), rows
 
 
-def test_pack_rejects_mixed_scale_dtypes():
+def test_pack_rejects_other_scale_dtypes():
     blocks = q4.Blocks(torch.ones(32, 1), torch.ones(32, 1).half(), torch.zeros(32, 32, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="float16 or float32 d and m"):
+    with pytest.raises(ValueError, match="float16 d and m"):
         q4.q4_pack(blocks)
+    q = torch.zeros(32, 32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="divisible by 256"):
+        q4.q4_pack(q4.SuperBlocks(torch.ones(32, 1).half(), torch.ones(32, 1).half(), q[:, :1], q[:, :1], q))
 
 
 MATRICES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

@@ -1,12 +1,14 @@
 """The exact 4-bit packing kept on disk (eaglespec.backends.cpu.packcache): a later build of the same model reads it
 back instead of finding the blocks again (the same packed tensors, the same logits), and everything that could make
-it stale is a miss: a changed weight (that matrix alone), a touched source file, an unreadable cache file."""
+it stale is a miss: a changed weight (that matrix alone), a touched source file (whose old packing is then removed),
+an unreadable cache file."""
 
 import os
 
 import pytest
 import torch
 from conftest import make_cpu_model
+from safetensors.torch import save_file
 from test_fastpath import PROMPT
 from test_kquant import needs_kernel, q4_k_model  # noqa: F401 (a fixture)
 
@@ -82,7 +84,10 @@ def test_a_touched_source_or_an_unreadable_cache_file_is_a_miss(q4_k_model, cach
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
     try:
+        other = folder / "other-model.safetensors"  # another model's packing stays
+        save_file({"m0": torch.zeros(1)}, str(other), metadata={"matrices": "{}", "sources": '["/elsewhere.gguf"]'})
         assert build(model, path).q4_matrices == 8 and len(calls) == 8
-        assert len(list(folder.glob("*.safetensors"))) == 2
+        (newer,) = [f for f in folder.glob("*.safetensors") if f != other]  # the stale packing was removed
+        assert newer != file and other.is_file()
     finally:
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))

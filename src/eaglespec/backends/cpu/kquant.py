@@ -4,8 +4,9 @@ their 4-bit matrices through `q4.Q4Linear` as they are in the file.
 A Q4_K super-block covers 256 consecutive input channels of a row: d and dmin (float16), eight 6-bit scales sc and
 mins mn, and 256 4-bit q. Weight k of sub-block j (32 consecutive channels) is (d sc_j) q_k - (dmin mn_j), gguf's
 and llama.cpp's float32 dequantization. That is `q4.Blocks`' d q + m per 32 channels with d = d sc_j and
-m = -(dmin mn_j) in float32, both exact (11 x 6 significant bits), so `Blocks.weight()` rebuilds gguf's
-dequantized weight bit for bit. `Q4Linear` then reads 24 bytes per 32 weights (bfloat16: 64).
+m = -(dmin mn_j) in float32, both exact (11 x 6 significant bits), so `SuperBlocks.weight()` rebuilds gguf's
+dequantized weight bit for bit. `Q4Linear` packs them as they are and reads 18.5 bytes per 32 weights (the file:
+18; bfloat16: 64), multiplying d sc_j and dmin mn_j out in float32 as it goes.
 
 eaglespec caches these models in bfloat16 (eaglespec.models), which rounds the dequantized weights; a matrix read
 from the file has the weights before that rounding. A matrix is read from the file only where its weights, rounded
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .q4 import BLOCK, Blocks
+from .q4 import SuperBlocks
 
 SUPER = 256  # weights per Q4_K super-block
 SUPER_BYTES = 144  # d, dmin (2 + 2 bytes), 12 bytes of packed scales and mins, 128 bytes of q
@@ -44,21 +45,23 @@ def gguf_name(name: str) -> str | None:
     return f"blk.{match.group(1)}.{_GGUF_NAMES[match.group(3)]}.weight"
 
 
-def q4_k_blocks(raw: np.ndarray, n: int, k: int) -> Blocks:
+def q4_k_blocks(raw: np.ndarray, n: int, k: int) -> SuperBlocks:
     """The exact blocks of a Q4_K matrix [n, k]: `raw` its bytes, [n, k / 256 * 144] uint8 (row-major super-blocks)."""
     from gguf.quants import Q4_K
 
     if k % SUPER or raw.shape != (n, k // SUPER * SUPER_BYTES) or raw.dtype != np.uint8:
         raise ValueError(f"not a Q4_K matrix [{n}, {k}]: {raw.shape} {raw.dtype}")
     sb = np.ascontiguousarray(raw).reshape(-1, SUPER_BYTES)  # [S, 144], S = n k / 256
-    d = sb[:, 0:2].view(np.float16).astype(np.float32)  # [S, 1]
-    dmin = sb[:, 2:4].view(np.float16).astype(np.float32)
+    d = sb[:, 0:2].view(np.float16).reshape(n, k // SUPER)  # [N, K/256]
+    dmin = sb[:, 2:4].view(np.float16).reshape(n, k // SUPER)
     sc, mn = Q4_K.get_scale_min(sb[:, 4:16])  # [S, 8] each, 6-bit
     qs = sb[:, 16:].reshape(-1, 4, 1, 32)  # 4 pairs of sub-blocks: low nibbles first, then high
     q = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)).reshape(n, k)
-    scale = (d * sc.astype(np.float32)).reshape(n, k // BLOCK)
-    low = -(dmin * mn.astype(np.float32)).reshape(n, k // BLOCK)
-    return Blocks(torch.from_numpy(scale), torch.from_numpy(low), torch.from_numpy(q))
+    def blocks(values: np.ndarray) -> torch.Tensor:  # [S, 8] -> [N, K/32] uint8
+        return torch.from_numpy(np.ascontiguousarray(values.astype(np.uint8).reshape(n, -1)))
+
+    return SuperBlocks(torch.from_numpy(np.ascontiguousarray(d)), torch.from_numpy(np.ascontiguousarray(dmin)),
+                       blocks(sc), blocks(mn), torch.from_numpy(q))
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,7 @@ class GGUFSource:
             self._tensors = {name: info for name, info in index.items() if info.kind == GGMLQuantizationType.Q4_K}
         return self._tensors
 
-    def get(self, parameter: Tensor) -> Blocks | None:
+    def get(self, parameter: Tensor) -> SuperBlocks | None:
         """The exact blocks of this parameter [N, K], or None: not a decoder-layer matrix, not Q4_K in the file, or
         not the file's weights rounded to the parameter's dtype."""
         name = gguf_name(self.names.get(id(parameter), ""))
@@ -171,7 +174,7 @@ class GGUFSource:
         return all((name := gguf_name(self.names.get(id(p), ""))) is not None and name in self.tensors()
                    for p in parameters)
 
-    def blocks(self, *parameters: Tensor) -> Blocks | None:
+    def blocks(self, *parameters: Tensor) -> SuperBlocks | None:
         """The blocks of these parameters stacked along N (a fused q/k/v), or None where any has none."""
         found = []
         for parameter in parameters:
@@ -179,5 +182,4 @@ class GGUFSource:
             if blocks is None:
                 return None
             found.append(blocks)
-        return Blocks(torch.cat([b.d for b in found]), torch.cat([b.m for b in found]),
-                      torch.cat([b.q for b in found]))
+        return SuperBlocks.cat(found)

@@ -7,7 +7,8 @@ bytes: a model changed in any weight misses), the files the blocks come from (ea
 modification time), and the code that finds and packs them (this module's, `q4`'s and `kquant`'s sources). Where a
 source found no blocks, that answer is kept too (the matrix stays on the bfloat16 kernel without searching again).
 Files live under `$EAGLESPEC_CACHE/packed/`, one per model and sources, written whole and renamed into place; a
-missing, unreadable or foreign file is simply a miss.
+missing, unreadable or foreign file is simply a miss. Writing one removes the files of the same source paths made
+before (by other code, or before a source file changed): the disk holds one packing per model.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class PackCache:
     def __init__(self, model: nn.Module, files: list[Path], folder: Path | None = None):
         self.names = {id(p): name for name, p in model.named_parameters()}
         key = hashlib.sha1("|".join([_code_digest(), *map(_stamp, files)]).encode()).hexdigest()[:20]
+        self.sources = json.dumps(sorted(str(f.resolve()) for f in files))  # what older packings of it name
         self.path = (folder or envs.cache_dir() / "packed") / f"{key}.safetensors"
         self.entries: dict[str, Tensor | None] = {}  # matrix key -> packed tensor, or None (no blocks)
         self.changed = False
@@ -100,8 +102,25 @@ class PackCache:
             return
         os.close(fd)
         try:
-            save_file(tensors, tmp, metadata={"matrices": json.dumps(names)})
+            save_file(tensors, tmp, metadata={"matrices": json.dumps(names), "sources": self.sources})
             os.replace(tmp, self.path)
         except OSError:
             Path(tmp).unlink(missing_ok=True)
+            return
         self.changed = False
+        self._remove_older()
+
+    def _remove_older(self) -> None:
+        """Delete the other packings of the same source paths (stale: other code or changed files)."""
+        from safetensors import SafetensorError, safe_open
+
+        for other in self.path.parent.glob("*.safetensors"):
+            if other == self.path:
+                continue
+            try:
+                with safe_open(str(other), framework="pt") as f:
+                    stale = (f.metadata() or {}).get("sources") == self.sources
+                if stale:
+                    other.unlink()
+            except (OSError, ValueError, SafetensorError):
+                continue

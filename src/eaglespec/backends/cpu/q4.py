@@ -11,8 +11,9 @@ approximated beyond float32 rounding: these products are those of the float32 mo
 bfloat16 ones), with bfloat16 activations as in the bfloat16 kernel, and a row gets the same bits whatever else is in
 the call.
 
-A GGUF file's Q4_K matrices have the same form with float32 d and m; eaglespec.backends.cpu.kquant reads them from the
-file (`Blocks` with float32 d and m, packed in 24 bytes per 32 weights).
+A GGUF file's Q4_K matrices have the same form with d = d' sc and m = -(dmin mn) (d', dmin float16 per 256 weights,
+sc and mn 6-bit integers); eaglespec.backends.cpu.kquant reads them from the file as `SuperBlocks`, packed as they are
+in 18.5 bytes per 32 weights (the file's 18), the kernels multiplying d' sc and dmin mn out exactly in float32.
 
 Used by bfloat16 fast targets wherever eaglespec's kernels run (`available`: both builds have it; their sums differ
 in the last bits, each row-invariant); $EAGLESPEC_Q4=0 turns it off (the layers then use the bfloat16 kernel).
@@ -59,6 +60,37 @@ class Blocks:
         return torch.addcmul(self.m.float()[..., None], self.d.float()[..., None], q).view(n, k)
 
 
+SUPER_BLOCKS = 8  # blocks per Q4_K super-block (256 input channels)
+
+
+@dataclass(frozen=True)
+class SuperBlocks:
+    """llama.cpp's Q4_K as it is stored: W [N, K] = (d sc) q - (dmin mn) per block of 32 input channels, with d and
+    dmin float16 per super-block of 256 and sc, mn 6-bit integers per block. d sc and dmin mn are exact in float32
+    (11 x 6 significant bits), so these are `Blocks` with float32 d = d sc and m = -(dmin mn)."""
+
+    d: Tensor  # [N, K/256] float16
+    dmin: Tensor  # [N, K/256] float16
+    sc: Tensor  # [N, K/32] uint8 in [0, 63]
+    mn: Tensor  # [N, K/32] uint8 in [0, 63]
+    q: Tensor  # [N, K] uint8 in [0, 15]
+
+    def blocks(self) -> Blocks:
+        """The same weights with each block's d and m multiplied out (float32, exact)."""
+        d = self.d.float().repeat_interleave(SUPER_BLOCKS, dim=1) * self.sc.float()  # [N, K/32]
+        m = -(self.dmin.float().repeat_interleave(SUPER_BLOCKS, dim=1) * self.mn.float())
+        return Blocks(d, m, self.q)
+
+    def weight(self) -> Tensor:
+        """The float32 weights [N, K] they stand for (gguf's dequantization, bit for bit)."""
+        return self.blocks().weight()
+
+    @staticmethod
+    def cat(parts: list["SuperBlocks"]) -> "SuperBlocks":
+        """Matrices stacked along N (a fused q/k/v)."""
+        return SuperBlocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("d", "dmin", "sc", "mn", "q")))
+
+
 def find_blocks(weight: Tensor) -> Blocks | None:
     """(d, m, q) with d q + m == weight for every element, bit for bit, or None where weight [N, K] (float32) does not
     have that form. m is each block's minimum (q = 0 occurs in every Q4_1 block); d is the float16 value nearest
@@ -97,32 +129,48 @@ def find_blocks(weight: Tensor) -> Blocks | None:
     return Blocks(d_best, m16, q_best.reshape(n, k))
 
 
-def q4_pack(blocks: Blocks) -> Tensor:
-    """csrc/common/q4_gemm.h's layout (both builds' micro-kernels read it): [ceil(N/32), K/32, 640 or 768] uint8; per
-    group-block d (32 float16 or float32, as `blocks.d`), m (32 of the same), then uint32 words [4 octets][32 columns]
-    whose nibble i holds q[column][32 b + 8 octet + i]."""
-    if blocks.d.dtype not in (torch.float16, torch.float32) or blocks.m.dtype != blocks.d.dtype:
-        raise ValueError(f"4-bit blocks need float16 or float32 d and m of one dtype, not {blocks.d.dtype} and "
-                         f"{blocks.m.dtype}")
+def _by_group(values: Tensor, groups: int) -> Tensor:
+    """[Np, B] per-row values -> [G, B, 32 columns] as uint8 bytes [G, B, 32 * itemsize] (the packed order)."""
+    blocks = values.shape[1]
+    grouped = values.view(groups, COLUMNS, blocks).transpose(1, 2).contiguous()  # [G, B, 32]
+    return grouped.view(torch.uint8).view(groups, blocks, -1)
+
+
+def q4_pack(blocks: Blocks | SuperBlocks) -> Tensor:
+    """csrc/common/shared.h's layouts (both builds' micro-kernels read them), uint8:
+    - `Blocks` (float16 d and m): [ceil(N/32), K/32, 640]; per group-block d (32 float16), m (32 float16), then the
+      q as uint32 words [4 octets][32 columns] whose nibble i holds q[column][32 b + 8 octet + i];
+    - `SuperBlocks` (Q4_K): [ceil(N/32), K/256, 4736]; per group-super-block d (32 float16), dmin (32 float16), then
+      per block sc (32 uint8), mn (32 uint8) and the q as above."""
+    if isinstance(blocks, Blocks) and (blocks.d.dtype != torch.float16 or blocks.m.dtype != torch.float16):
+        raise ValueError(f"4-bit blocks pack with float16 d and m, not {blocks.d.dtype} and {blocks.m.dtype} "
+                         "(Q4_K's float32 d and m pack as SuperBlocks)")
     n, k = blocks.q.shape
     pad = -n % COLUMNS
-    q = nn.functional.pad(blocks.q, (0, 0, 0, pad)).to(torch.int32)  # [Np, K]
-    d = nn.functional.pad(blocks.d, (0, 0, 0, pad))  # [Np, B]
-    m = nn.functional.pad(blocks.m, (0, 0, 0, pad))
     groups, nblocks = (n + pad) // COLUMNS, k // BLOCK
+    q = nn.functional.pad(blocks.q, (0, 0, 0, pad)).to(torch.int32)  # [Np, K]
     q = q.view(groups, COLUMNS, nblocks, 4, 8).permute(0, 2, 3, 1, 4)  # [G, B, octet, column, i]
     shifts = torch.arange(0, 32, 4, dtype=torch.int32)
     words = (q << shifts).sum(-1, dtype=torch.int64).to(torch.int32)  # [G, B, 4, 32] (as uint32 bits)
-    d = d.view(groups, COLUMNS, nblocks).transpose(1, 2).contiguous()  # [G, B, 32]
-    m = m.view(groups, COLUMNS, nblocks).transpose(1, 2).contiguous()
-    return torch.cat([d.view(torch.uint8), m.view(torch.uint8), words.contiguous().view(torch.uint8)
-                      .view(groups, nblocks, -1)], dim=-1).contiguous()
+    words = words.contiguous().view(torch.uint8).view(groups, nblocks, -1)  # [G, B, 512]
+
+    def padded(values: Tensor) -> Tensor:
+        return _by_group(nn.functional.pad(values, (0, 0, 0, pad)), groups)
+
+    if isinstance(blocks, Blocks):
+        return torch.cat([padded(blocks.d), padded(blocks.m), words], dim=-1).contiguous()
+    if k % (BLOCK * SUPER_BLOCKS):
+        raise ValueError(f"Q4_K super-blocks need K divisible by 256, not {k}")
+    records = torch.cat([padded(blocks.sc), padded(blocks.mn), words], dim=-1)  # [G, B, 576]
+    supers = nblocks // SUPER_BLOCKS
+    header = torch.cat([padded(blocks.d), padded(blocks.dmin)], dim=-1)  # [G, S, 128]
+    return torch.cat([header, records.view(groups, supers, -1)], dim=-1).contiguous()  # [G, S, 4736]
 
 
 class Q4Linear(nn.Module):
     """y = x W^T (+ b) with W read as exact 4-bit blocks (`find_blocks`). x [..., K] -> [..., N] bfloat16."""
 
-    def __init__(self, blocks: Blocks, bias: Tensor | None = None):
+    def __init__(self, blocks: Blocks | SuperBlocks, bias: Tensor | None = None):
         super().__init__()
         kernels.load()
         self.out_features, self.in_features = blocks.q.shape
@@ -204,7 +252,7 @@ class FirstSource:
         """Whether any source may have these parameters' blocks (cheap; `blocks` finds out)."""
         return any(source.may_have(*parameters) for source in self.sources)
 
-    def blocks(self, *parameters: Tensor) -> Blocks | None:
+    def blocks(self, *parameters: Tensor) -> Blocks | SuperBlocks | None:
         for source in self.sources:
             blocks = source.blocks(*parameters)
             if blocks is not None:

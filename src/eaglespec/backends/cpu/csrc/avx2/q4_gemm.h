@@ -28,17 +28,22 @@ inline __m256 half8(const uint8_t* p) {  // 8 float16 -> 8 float32 (exact)
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// A group-block's d and m, vector v of 8 columns, as float32: the two packings of common/shared.h.
-struct HalfScales {  // Q4_1: float16
-  static constexpr int64_t kBytes = kHalfBlockBytes;
-  static __m256 d(const uint8_t* blk, int v) { return half8(blk + 16 * v); }
-  static __m256 m(const uint8_t* blk, int v) { return half8(blk + 64 + 16 * v); }
+inline __m256 bytes8(const uint8_t* p) {  // 8 uint8 -> 8 float32 (exact)
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Block b's d and m, vector v of 8 columns, as float32, from its record blk: the two layouts of common/shared.h.
+struct HalfScales : HalfLayout {  // Q4_1: float16
+  static __m256 d(const uint8_t* blk, int64_t, int v) { return half8(blk + 16 * v); }
+  static __m256 m(const uint8_t* blk, int64_t, int v) { return half8(blk + 64 + 16 * v); }
 };
-struct FloatScales {  // Q4_K: float32
-  static constexpr int64_t kBytes = kFloatBlockBytes;
-  static __m256 d(const uint8_t* blk, int v) { return _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 8 * v); }
-  static __m256 m(const uint8_t* blk, int v) {
-    return _mm256_loadu_ps(reinterpret_cast<const float*>(blk + 128) + 8 * v);
+struct SuperScales : SuperLayout {  // Q4_K: d sc and -(dmin mn), exact products in float32
+  static __m256 d(const uint8_t* blk, int64_t b, int v) {
+    return _mm256_mul_ps(half8(header(blk, b) + 16 * v), bytes8(blk + 8 * v));
+  }
+  static __m256 m(const uint8_t* blk, int64_t b, int v) {
+    const __m256 dmin_mn = _mm256_mul_ps(half8(header(blk, b) + 64 + 16 * v), bytes8(blk + 32 + 8 * v));
+    return _mm256_xor_ps(dmin_mn, _mm256_set1_ps(-0.0f));
   }
 };
 
@@ -54,7 +59,7 @@ void rows_in_registers(const float* xs, int64_t ldx, const float* xsum, int64_t 
     for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
   constexpr int64_t kAhead = 4 * Scales::kBytes;  // software prefetch distance: four blocks ahead
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = group + b * Scales::kBytes;
+    const uint8_t* blk = Scales::block(group, b);
     if (c0 == 0)
       for (int line = 0; line < Scales::kBytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + line), _MM_HINT_T0);
@@ -89,7 +94,7 @@ void rows_in_registers(const float* xs, int64_t ldx, const float* xsum, int64_t 
     }
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
-      const __m256 d = Scales::d(blk, c0 + v), m = Scales::m(blk, c0 + v);
+      const __m256 d = Scales::d(blk, b, c0 + v), m = Scales::m(blk, b, c0 + v);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r)
         acc[r][v] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum + r * blocks + b),
@@ -172,7 +177,7 @@ void wide_tile(const float* xs, int64_t ldx, const float* xsum, int64_t blocks, 
   }
 #pragma GCC unroll 2
   for (int v = 0; v < 2; ++v) {
-    const __m256 d = Scales::d(blk, v0 + v), m = Scales::m(blk, v0 + v);
+    const __m256 d = Scales::d(blk, b, v0 + v), m = Scales::m(blk, b, v0 + v);
 #pragma GCC unroll 3
     for (int r = 0; r < R; ++r) {
       float* a = acc + r * kCols + 8 * (v0 + v);
@@ -192,7 +197,7 @@ void group_rows_wide(int64_t m, const void* x_rows, int64_t ldx, const float* xs
   alignas(32) float qm[kBlockK * kCols];
   std::fill(acc, acc + m * kCols, 0.0f);
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = group + b * Scales::kBytes;
+    const uint8_t* blk = Scales::block(group, b);
     for (int line = 0; line < Scales::kBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Scales::kBytes + line), _MM_HINT_T0);
     masked_block<Scales>(blk, qm);
@@ -224,12 +229,12 @@ void unpack_block(const uint8_t* blk, float* qf) {
     }
 }
 
-// One group-block's d and m of its 32 columns as float32 (32-byte aligned outputs; for q4_unpack).
+// Group-block b's d and m of its 32 columns as float32 (32-byte aligned outputs; for q4_unpack).
 template <typename Scales>
-void block_scales(const uint8_t* blk, float* d, float* m) {
+void block_scales(const uint8_t* blk, int64_t b, float* d, float* m) {
   for (int v = 0; v < 4; ++v) {
-    _mm256_store_ps(d + 8 * v, Scales::d(blk, v));
-    _mm256_store_ps(m + 8 * v, Scales::m(blk, v));
+    _mm256_store_ps(d + 8 * v, Scales::d(blk, b, v));
+    _mm256_store_ps(m + 8 * v, Scales::m(blk, b, v));
   }
 }
 

@@ -29,21 +29,26 @@ namespace avx512 {
 constexpr bool kBf16Rows = true;  // the rows come as the operator's bfloat16 inputs (not nibble-scaled floats)
 constexpr int kTileRows = 8;      // rows per pass over a group: 2 x 8 sums + 8 weight and constant vectors
 
-// A group-block's d and m for columns 16 v .. 16 v + 15, as float32: the two packings of common/shared.h.
-struct HalfScales {  // Q4_1: float16
-  static constexpr int64_t kBytes = kHalfBlockBytes;
-  static __m512 d(const uint8_t* blk, int v) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * v)));
-  }
-  static __m512 m(const uint8_t* blk, int v) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + 32 * v)));
-  }
+inline __m512 half16(const uint8_t* p) {  // 16 float16 -> 16 float32 (exact)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 bytes16(const uint8_t* p) {  // 16 uint8 -> 16 float32 (exact)
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Block b's d and m for columns 16 v .. 16 v + 15, as float32, from its record blk: the two layouts of
+// common/shared.h.
+struct HalfScales : HalfLayout {  // Q4_1: float16
+  static __m512 d(const uint8_t* blk, int64_t, int v) { return half16(blk + 32 * v); }
+  static __m512 m(const uint8_t* blk, int64_t, int v) { return half16(blk + 64 + 32 * v); }
 };
-struct FloatScales {  // Q4_K: float32
-  static constexpr int64_t kBytes = kFloatBlockBytes;
-  static __m512 d(const uint8_t* blk, int v) { return _mm512_loadu_ps(reinterpret_cast<const float*>(blk) + 16 * v); }
-  static __m512 m(const uint8_t* blk, int v) {
-    return _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 128) + 16 * v);
+struct SuperScales : SuperLayout {  // Q4_K: d sc and -(dmin mn), exact products in float32
+  static __m512 d(const uint8_t* blk, int64_t b, int v) {
+    return _mm512_mul_ps(half16(header(blk, b) + 32 * v), bytes16(blk + 16 * v));
+  }
+  static __m512 m(const uint8_t* blk, int64_t b, int v) {
+    const __m512 dmin_mn = _mm512_mul_ps(half16(header(blk, b) + 64 + 32 * v), bytes16(blk + 32 + 16 * v));
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dmin_mn), _mm512_set1_epi32(INT32_MIN)));
   }
 };
 
@@ -72,7 +77,7 @@ void tile_rows(const uint16_t* x, int64_t ldx, const float* xsum, int64_t blocks
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = group + b * Scales::kBytes;
+    const uint8_t* blk = Scales::block(group, b);
     for (int line = 0; line < Scales::kBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Scales::kBytes + line), _MM_HINT_T0);
     const uint8_t* qs = blk + Scales::kBytes - kQBytes;
@@ -105,7 +110,7 @@ void tile_rows(const uint16_t* x, int64_t ldx, const float* xsum, int64_t blocks
     }
 #pragma GCC unroll 2
     for (int v = 0; v < 2; ++v) {
-      const __m512 d = Scales::d(blk, v), m = Scales::m(blk, v);
+      const __m512 d = Scales::d(blk, b, v), m = Scales::m(blk, b, v);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
         a[r][v] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * blocks + b]), _mm512_fmadd_ps(d, s[r][v], a[r][v]));
@@ -158,12 +163,12 @@ void unpack_block(const uint8_t* blk, float* qf) {
     }
 }
 
-// One group-block's d and m of its 32 columns as float32 (64-byte aligned outputs; for q4_unpack).
+// Group-block b's d and m of its 32 columns as float32 (64-byte aligned outputs; for q4_unpack).
 template <typename Scales>
-void block_scales(const uint8_t* blk, float* d, float* m) {
+void block_scales(const uint8_t* blk, int64_t b, float* d, float* m) {
   for (int v = 0; v < 2; ++v) {
-    _mm512_storeu_ps(d + 16 * v, Scales::d(blk, v));
-    _mm512_storeu_ps(m + 16 * v, Scales::m(blk, v));
+    _mm512_storeu_ps(d + 16 * v, Scales::d(blk, b, v));
+    _mm512_storeu_ps(m + 16 * v, Scales::m(blk, b, v));
   }
 }
 

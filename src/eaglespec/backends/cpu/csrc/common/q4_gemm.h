@@ -1,7 +1,7 @@
 // Few-row products with weights stored as 4-bit blocks: y[M, N] = x[M, K] W[N, K]^T (+ b), where every block of 32
 // consecutive k of a row of W is exactly d q + m with q in [0, 15] and d, m float16 (llama.cpp's Q4_1 form;
-// eaglespec.backends.cpu.q4 finds it in float32 weights) or float32 (llama.cpp's Q4_K, read from a GGUF file by
-// eaglespec.backends.cpu.kquant), packed by q4.q4_pack.
+// eaglespec.backends.cpu.q4 finds it in float32 weights) or d = d' sc, m = -(dmin mn) (llama.cpp's Q4_K, read from a
+// GGUF file by eaglespec.backends.cpu.kquant: d', dmin float16 per 256 k, sc, mn 6-bit), packed by q4.q4_pack.
 //
 // Why: a decode step of a small model on a few cores is bound by reading its weights; 20 bytes per 32 weights here
 // against 64 in bfloat16 (SmolLM2-135M's layers: 66 MB a step instead of 212).
@@ -23,10 +23,11 @@
 // Threads: at::parallel_for over column groups (torch's intra-op pool).
 //
 // The micro-kernels (isa::, included before this), each for the two packings of d and m (isa::HalfScales,
-// isa::FloatScales; the packed tensor's block size tells which): isa::kBf16Rows (whether they take the bfloat16
+// isa::SuperScales; the packed tensor's last size tells which): isa::kBf16Rows (whether they take the bfloat16
 // rows, or float32 rows scaled by kNibbleScale), group_rows (AVX2: up to kPassRows rows; AVX-512: any number, times
 // all 32 columns of a group -> acc), group_rows_wide (any number of rows), unpack_block (a group-block's q as
-// float32) and block_scales (its d and m as float32).
+// float32) and block_scales (its d and m as float32). The Scales give a block's record in its group (block) and its d
+// and m (d, m: Q4_K's multiplied out exactly, so either packing of the same weights gives the same bits).
 
 #pragma once
 
@@ -50,7 +51,7 @@ void linear_rows(const void* xs, const float* xsum, int64_t ldx, int64_t m, cons
   at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxM * kCols];
     for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* group = wp + g * blocks * Scales::kBytes;
+      const uint8_t* group = wp + g * Scales::group_bytes(blocks);
       if (m > kPassRows)  // the same bits either way: the cheaper one for m rows (AVX-512: the same code)
         isa::group_rows_wide<Scales>(m, xs, ldx, xsum, blocks, group, acc);
       else
@@ -63,23 +64,26 @@ void linear_rows(const void* xs, const float* xsum, int64_t ldx, int64_t m, cons
   });
 }
 
-// Whether the packed d and m are float32 (else float16); checks the packing against [n, k].
+// Whether the packing is Q4_K's super-blocks (else Q4_1's blocks); checks it against [n, k].
 bool check_packed(const at::Tensor& packed, int64_t n, int64_t k) {
-  TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == kHalfBlockBytes || packed.size(2) == kFloatBlockBytes) &&
+  TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == kHalfBlockBytes || packed.size(2) == kSuperBytes) &&
                   packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "q4_linear: packed must come from eaglespec.backends.cpu.q4.q4_pack");
-  TORCH_CHECK(k == packed.size(1) * kBlockK && n > (packed.size(0) - 1) * kCols && n <= packed.size(0) * kCols,
+  const bool super = packed.size(2) == kSuperBytes;
+  const int64_t k_per = super ? kSuperBlocks * kBlockK : kBlockK;
+  TORCH_CHECK(k == packed.size(1) * k_per && n > (packed.size(0) - 1) * kCols && n <= packed.size(0) * kCols,
               "q4_linear: [", n, ", ", k, "] does not match the packed weight (", packed.size(0), " groups of 32 "
-              "columns, ", packed.size(1), " blocks of 32 k)");
-  return packed.size(2) == kFloatBlockBytes;
+              "columns, ", packed.size(1), " blocks of ", k_per, " k)");
+  return super;
 }
 
-// x [M, K] bfloat16, packed [ceil(n/32), K/32, 640] uint8, bias [n] or none -> [M, n] bfloat16.
+// x [M, K] bfloat16, packed [ceil(n/32), K/32, 640] or [ceil(n/32), K/256, 4736] uint8, bias [n] or none -> [M, n]
+// bfloat16.
 at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
                      const std::optional<at::Tensor>& bias_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "q4_linear: x must be [M, K] bfloat16");
   const int64_t m = x_in.size(0), k = x_in.size(1);
-  const bool float_scales = check_packed(packed, n, k);
+  const bool super = check_packed(packed, n, k);
   const at::Tensor x = x_in.contiguous();
   const at::Tensor bias = float_bias(bias_in, n, "q4_linear");
   at::Tensor y = at::empty({m, n}, x.options());
@@ -101,7 +105,7 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n
       xsum[i] = sum;
     }
     const void* rows_in = isa::kBf16Rows ? static_cast<const void*>(xp + row * k) : xs.get();
-    (float_scales ? linear_rows<isa::FloatScales> : linear_rows<isa::HalfScales>)(
+    (super ? linear_rows<isa::SuperScales> : linear_rows<isa::HalfScales>)(
         rows_in, xsum.get(), k, rows, packed.data_ptr<uint8_t>(), packed.size(0), blocks, n, bp, yp + row * n);
   }
   return y;
@@ -111,15 +115,15 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n
 // packing against it.
 template <typename Scales>
 void unpack(const at::Tensor& packed, int64_t k, float* out) {
-  const int64_t groups = packed.size(0), blocks = packed.size(1);
+  const int64_t groups = packed.size(0), blocks = k / kBlockK;
   alignas(64) float qf[kBlockK * kCols];
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* blk = wp + (g * blocks + b) * Scales::kBytes;
+      const uint8_t* blk = Scales::block(wp + g * Scales::group_bytes(blocks), b);
       isa::unpack_block<Scales>(blk, qf);
       alignas(64) float d[kCols], m[kCols];
-      isa::block_scales<Scales>(blk, d, m);
+      isa::block_scales<Scales>(blk, b, d, m);
       for (int64_t kk = 0; kk < kBlockK; ++kk)
         for (int64_t c = 0; c < kCols; ++c)
           out[(g * kCols + c) * k + b * kBlockK + kk] = std::fmaf(d[c], qf[kk * kCols + c], m[c]);
@@ -127,9 +131,9 @@ void unpack(const at::Tensor& packed, int64_t k, float* out) {
 }
 
 at::Tensor q4_unpack(const at::Tensor& packed, int64_t n, int64_t k) {
-  const bool float_scales = check_packed(packed, n, k);
+  const bool super = check_packed(packed, n, k);
   at::Tensor w = at::empty({packed.size(0) * kCols, k}, at::kFloat);
-  (float_scales ? unpack<isa::FloatScales> : unpack<isa::HalfScales>)(packed, k, w.data_ptr<float>());
+  (super ? unpack<isa::SuperScales> : unpack<isa::HalfScales>)(packed, k, w.data_ptr<float>());
   return w.narrow(0, 0, n).contiguous();
 }
 

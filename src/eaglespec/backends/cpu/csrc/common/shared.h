@@ -165,16 +165,40 @@ struct Quantized {
 namespace eaglespec::q4 {
 namespace {
 
-// The packed weight (q4_pack in eaglespec/q4.py): [N/32 groups][K/32 blocks][640 or 768 bytes]; a group-block holds d
-// of its 32 columns, then m, both float16 (64 bytes each: llama.cpp's Q4_1) or both float32 (128 bytes each: Q4_K,
-// whose d and m per 32 k are a float16 times a 6-bit integer), then the q as 4 octets x 4 vectors x 8 columns of
-// uint32 (512 bytes), where uint32 lane c of vector v of octet j holds q[8 v + c][32 b + 8 j + i] in bits
-// [4 i, 4 i + 4).
+// The packed weight (q4_pack in eaglespec/q4.py), [N/32 groups][...] uint8, in one of two layouts:
+// - Q4_1 (d and m per 32 k float16): [K/32 blocks][640 bytes]; a group-block holds d of its 32 columns (64 bytes),
+//   then m, then the q (512 bytes).
+// - Q4_K (d sc and -(dmin mn) per 32 k: d and dmin float16 per 256 k, sc and mn 6-bit integers): [K/256
+//   super-blocks][4736 bytes]; a super-block holds d of its 32 columns, then dmin (64 bytes each), then its 8 blocks,
+//   each sc of the 32 columns, then mn (32 bytes each, one byte a value), then the q (512 bytes). The kernels
+//   multiply d sc and dmin mn out in float32, exactly (11 x 6 significant bits): 18.5 bytes per 32 weights.
+// The q: 4 octets x 4 vectors x 8 columns of uint32, where uint32 lane c of vector v of octet j holds
+// q[8 v + c][32 b + 8 j + i] in bits [4 i, 4 i + 4).
 constexpr int64_t kCols = 32;                   // output columns per group: 4 vectors of 8 float32 lanes
 constexpr int64_t kBlockK = 32;                 // k per block (one d and m per column)
 constexpr int64_t kQBytes = 512;                // the q of a group-block
-constexpr int64_t kHalfBlockBytes = 128 + kQBytes;   // float16 d and m
-constexpr int64_t kFloatBlockBytes = 256 + kQBytes;  // float32 d and m
+constexpr int64_t kHalfBlockBytes = 128 + kQBytes;   // Q4_1: float16 d and m, q
+constexpr int64_t kSuperBlocks = 8;                  // Q4_K: blocks per super-block (256 k)
+constexpr int64_t kSuperHeader = 128;                // its float16 d and dmin of 32 columns
+constexpr int64_t kSuperRecord = 64 + kQBytes;       // a block in it: sc, mn (uint8), q
+constexpr int64_t kSuperBytes = kSuperHeader + kSuperBlocks * kSuperRecord;
+
+// Where a group's blocks lie (the micro-kernels' Scales derive from these and add how to read d and m).
+struct HalfLayout {  // Q4_1: blocks of kBytes one after another
+  static constexpr int64_t kBytes = kHalfBlockBytes;  // a block's record (its q are its last kQBytes)
+  static const uint8_t* block(const uint8_t* group, int64_t b) { return group + b * kBytes; }
+  static int64_t group_bytes(int64_t blocks) { return blocks * kBytes; }
+};
+struct SuperLayout {  // Q4_K: super-blocks of kSuperBlocks blocks under a header
+  static constexpr int64_t kBytes = kSuperRecord;
+  static const uint8_t* block(const uint8_t* group, int64_t b) {
+    return group + b / kSuperBlocks * kSuperBytes + kSuperHeader + b % kSuperBlocks * kSuperRecord;
+  }
+  static const uint8_t* header(const uint8_t* blk, int64_t b) {  // block b's super-block header, from its record
+    return blk - kSuperHeader - b % kSuperBlocks * kSuperRecord;
+  }
+  static int64_t group_bytes(int64_t blocks) { return blocks / kSuperBlocks * kSuperBytes; }
+};
 
 }  // namespace
 }  // namespace eaglespec::q4
