@@ -13,9 +13,10 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 from test_engine import PROMPTS, random_head
 
+from eaglespec import envs
 from eaglespec.api import Engine, TreeSettings
 from eaglespec.backends.cpu import kernels as bf16gemm
-from eaglespec.backends.cpu import kquant, q4
+from eaglespec.backends.cpu import kquant, q4, q6
 from eaglespec.targets import source
 from eaglespec.targets.fast import FastTarget
 
@@ -33,8 +34,24 @@ def random_q4_k(n: int, k: int, seed: int, scale: float = 2e-4) -> np.ndarray:
     return raw.reshape(n, k // 256 * 144)
 
 
-def gguf_weight(raw: np.ndarray, n: int, k: int) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(dequantize(raw, GGMLQuantizationType.Q4_K))).reshape(n, k)
+def gguf_weight(raw: np.ndarray, n: int, k: int, kind=GGMLQuantizationType.Q4_K) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(dequantize(raw, kind))).reshape(n, k)
+
+
+def random_q6_k(n: int, k: int, seed: int, scale: float = 1e-4) -> np.ndarray:
+    """Random Q6_K bytes of a [n, k] matrix: [n, k / 256 * 210] uint8 (random codes and signed scales, d ~ scale)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n * k // 256, 210), dtype=np.uint8)
+    raw[:, 208:210] = (rng.random((n * k // 256, 1)) * scale + scale / 4).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, k // 256 * 210)
+
+
+def random_q5_0(n: int, k: int, seed: int, scale: float = 1e-3) -> np.ndarray:
+    """Random Q5_0 bytes of a [n, k] matrix: [n, k / 32 * 22] uint8 (random codes, d ~ scale)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n * k // 32, 22), dtype=np.uint8)
+    raw[:, 0:2] = (rng.random((n * k // 32, 1)) * scale + scale / 4).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, k // 32 * 22)
 
 
 def test_blocks_rebuild_gguf_dequantization_bit_for_bit():
@@ -57,7 +74,8 @@ def test_names_of_layer_matrices():
 
 
 def write_gguf(path, tensors: dict[str, np.ndarray], alignment: int | None = None) -> None:
-    """A GGUF file with tokenizer-like metadata (a string array) and `tensors` (uint8 arrays are Q4_K bytes)."""
+    """A GGUF file with tokenizer-like metadata (a string array) and `tensors` (uint8 arrays are Q4_K bytes; a
+    (bytes, GGMLQuantizationType) pair another block type's)."""
     writer = GGUFWriter(str(path), "qwen2")
     writer.add_array("tokenizer.ggml.tokens", ["<a>", "bb", "ccc"] * 50)
     writer.add_uint32("qwen2.block_count", 2)
@@ -65,8 +83,11 @@ def write_gguf(path, tensors: dict[str, np.ndarray], alignment: int | None = Non
     if alignment is not None:
         writer.add_custom_alignment(alignment)
     for name, data in tensors.items():
+        kind = GGMLQuantizationType.Q4_K
+        if isinstance(data, tuple):  # (bytes, their block type)
+            data, kind = data
         if data.dtype == np.uint8:
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=GGMLQuantizationType.Q4_K)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
         else:
             writer.add_tensor(name, data)
     writer.write_header_to_file()
@@ -114,6 +135,44 @@ def test_super_blocks_pack_rebuild_the_weights_and_are_row_invariant(n, k):
     assert ((whole.double() - exact).abs() <= bound).all()
     for rows in range(1, 9):
         assert torch.equal(layer(x[:rows]), whole[:rows]), rows
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_0"])
+def test_codes_rebuild_gguf_dequantization_bit_for_bit(kind):
+    n, k = 40, 512
+    raw = random_q6_k(n, k, seed=3) if kind == "Q6_K" else random_q5_0(n, k, seed=3)
+    codes = (kquant.q6_k_codes if kind == "Q6_K" else kquant.q5_0_codes)(raw, n, k)
+    assert codes.s.dtype == torch.float32 and codes.s.shape == (n, k // 16)
+    assert codes.q.shape == (n, k) and int(codes.q.max()) <= 63
+    assert torch.equal(codes.weight(), gguf_weight(raw, n, k, GGMLQuantizationType[kind]))
+    with pytest.raises(ValueError, match=f"not a {kind} matrix"):
+        (kquant.q6_k_codes if kind == "Q6_K" else kquant.q5_0_codes)(raw[:, :-1], n, k)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(96, 256), (40, 512)])
+def test_six_bit_codes_unpack_to_the_weights_and_multiply_row_invariantly(n, k):
+    bf16gemm.load()
+    raw = random_q6_k(n, k, seed=n)
+    codes = kquant.q6_k_codes(raw, n, k)
+    packed = q6.q6_pack(codes)
+    assert packed.shape == ((n + 31) // 32, k // 32, 1280)
+    weight = gguf_weight(raw, n, k, GGMLQuantizationType.Q6_K)
+    assert torch.equal(torch.ops.eaglespec.q6_unpack(packed, n, k), weight)
+    stacked = q6.Codes.cat([codes, kquant.q5_0_codes(random_q5_0(24, k, seed=1), 24, k)])
+    assert torch.equal(torch.ops.eaglespec.q6_unpack(q6.q6_pack(stacked), n + 24, k), stacked.weight())
+    bias = torch.randn(n)
+    layer = q6.Q6Linear(codes, bias)
+    x = torch.randn(11, k).bfloat16()
+    whole = layer(x)
+    exact = x.double() @ weight.double().T + bias.double()
+    bound = exact.abs() * 2**-8 + 1e-5 * k * (x.double().abs() @ weight.double().abs().T)
+    assert ((whole.double() - exact).abs() <= bound).all()
+    for rows in range(1, 11):  # tiles of 8 rows on AVX-512: 9 and 10 rows take two
+        assert torch.equal(layer(x[:rows]), whole[:rows]), rows
+        assert torch.equal(layer(x[rows : rows + 1]), whole[rows : rows + 1]), rows
+    with pytest.raises(ValueError, match="float32 scales"):
+        q6.q6_pack(q6.Codes(codes.s.half(), codes.q))
 
 
 def test_pack_rejects_other_scale_dtypes():
@@ -167,6 +226,47 @@ def test_speculative_decoding_on_q4_k_blocks_gives_plain_decodings_tokens(q4_k_m
     spec = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle1").to(torch.bfloat16),
                              method="eagle2", tree=TreeSettings(total_tokens=8, depth=3, top_k=3))
     assert plain.target.q4_matrices == spec.target.q4_matrices == 8
+    for prompt in PROMPTS:
+        assert spec.generate(prompt, max_new_tokens=20).tokens == plain.generate(prompt, max_new_tokens=20).tokens
+
+
+@pytest.fixture(scope="module")
+def mixed_model(tmp_path_factory):
+    """A tiny bfloat16 Qwen2 whose GGUF mixes block types as llama.cpp's Q4_K_M files do: layer 0 Q4_K but for a
+    Q6_K v and down; layer 1 Q5_0 but for a Q4_K down (the 0.5B's pattern)."""
+    model = make_cpu_model("qwen2", layers=2, hidden_size=256, intermediate_size=512).to(torch.bfloat16)
+    kinds = [{"self_attn.v_proj": "Q6_K", "mlp.down_proj": "Q6_K"},
+             {attr: "Q5_0" for attr in MATRICES if attr != "mlp.down_proj"}]
+    makers = {"Q4_K": random_q4_k, "Q6_K": random_q6_k, "Q5_0": random_q5_0}
+    tensors = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for seed, (attr, name) in enumerate(MATRICES.items()):
+                linear = layer.get_submodule(attr)
+                n, k = linear.weight.shape
+                kind = kinds[i].get(attr, "Q4_K")
+                raw = makers[kind](n, k, seed=100 * i + seed)
+                linear.weight.copy_(gguf_weight(raw, n, k, GGMLQuantizationType[kind]))
+                tensors[f"blk.{i}.{name}.weight"] = (raw, GGMLQuantizationType[kind])
+    path = tmp_path_factory.mktemp("mixed") / "tiny.gguf"
+    write_gguf(path, tensors)
+    source.note_gguf(model, path)
+    return model
+
+
+@needs_kernel
+def test_q6_k_and_q5_0_matrices_run_as_codes_and_decode_speculatively_to_plain_decodings_tokens(mixed_model):
+    target = FastTarget(mixed_model, "final")
+    first, second = target.layers
+    assert isinstance(first.qkv, bf16gemm.Bf16Linear)  # a Q6_K v beside Q4_K q and k: one bfloat16 product
+    assert isinstance(first.o, q4.Q4Linear) and isinstance(first.down, q6.Q6Linear)
+    assert all(isinstance(m, q6.Q6Linear) for m in (second.qkv, second.o, second.gate_up))
+    assert isinstance(second.down, q4.Q4Linear)
+    assert (target.q4_matrices, target.q6_matrices) == (3, 4)
+    plain = Engine.from_model(mixed_model, TinyTokenizer(), method="vanilla")
+    spec = Engine.from_model(mixed_model, TinyTokenizer(), head=random_head(mixed_model, "eagle1").to(torch.bfloat16),
+                             method="eagle2", tree=TreeSettings(total_tokens=8, depth=3, top_k=3))
+    assert plain.target.kernel_stack is not None or not envs.stack_enabled()  # the stack runs kind 3 products
     for prompt in PROMPTS:
         assert spec.generate(prompt, max_new_tokens=20).tokens == plain.generate(prompt, max_new_tokens=20).tokens
 

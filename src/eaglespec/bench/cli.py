@@ -218,14 +218,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   "bf16_kernel": (f"{cpu_kernels.isa().name} {cpu_kernels.variant()}"
                                   if getattr(engine.target, "bf16_gemm", False) else None),
                   # layer matrices read as exact 4-bit blocks (eaglespec.backends.cpu.q4), of 4 per layer
-                  "q4_matrices": getattr(engine.target, "q4_matrices", 0)},
+                  "q4_matrices": getattr(engine.target, "q4_matrices", 0),
+                  # and as exact 6-bit codes (eaglespec.backends.cpu.q6: Q6_K, Q5_0)
+                  "q6_matrices": getattr(engine.target, "q6_matrices", 0)},
     )
     print(f"bench: {len(questions)} questions, methods {', '.join(m.name for m in methods)} -> {out}",
           file=sys.stderr)
     print(f"bench: device {device}, dtype {config.settings['dtype']}, {torch.get_num_threads()} torch threads, "
           f"backend {config.settings['backend']}, quantize {args.quantize}, compile {args.compile}, bfloat16 kernel "
           f"{config.settings['bf16_kernel'] or '-'}, layer matrices as exact 4-bit blocks "
-          f"{config.settings['q4_matrices']} (our loop; peers run their own weights)",
+          f"{config.settings['q4_matrices']}, as 6-bit codes {config.settings['q6_matrices']} (our loop; peers run "
+          "their own weights)",
           file=sys.stderr)
     for m in methods:
         if "tree" in m.settings:

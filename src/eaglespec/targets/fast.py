@@ -144,12 +144,12 @@ class FastTarget(TargetModel):
                 layers.append(self._fuse(layer))
                 source.release(model, layer)
             k.close_q4_source()
-            built[1][key] = (layers, logits_head, greedy_head, k.q4_matrices)
+            built[1][key] = (layers, logits_head, greedy_head, k.q4_matrices, k.q6_matrices)
         else:  # built before: originals brought back since (for the generic path, say) go again
             for layer in self.decoder.layers:
                 source.release(model, layer)
-        self.layers, self.logits_head, self.greedy_head, self.q4_matrices = built[1][key]
-        k.q4_matrices = self.q4_matrices  # layer matrices read as exact 4-bit blocks
+        self.layers, self.logits_head, self.greedy_head, self.q4_matrices, self.q6_matrices = built[1][key]
+        k.q4_matrices, k.q6_matrices = self.q4_matrices, self.q6_matrices  # layer matrices read as exact blocks, codes
         self.final_norm = self.decoder.norm.weight.detach()
         self._weight_bytes: int | None = None  # weight_bytes(), counted once
         heads = (self.n_heads, self.n_kv, self.head_dim)

@@ -21,7 +21,7 @@ from ...drafters.eagle import EagleDrafter
 from ...errors import EagleSpecError
 from ...heads.base import DraftHead
 from ...targets import source
-from . import attention, compiled, kernels, kquant, packcache, packed, q4, stack
+from . import attention, compiled, kernels, kquant, packcache, packed, q4, q6, stack
 from .quant import check_mode
 from .quant import quantize as quantize_linear
 
@@ -43,6 +43,7 @@ class TargetKernels:
     cache_dtype: torch.dtype  # of the KV cache
     keys_transposed: bool  # the kernel's key layout, [kv_heads, head_dim, capacity]
     q4_matrices: int = 0  # layer matrices read as exact 4-bit blocks
+    q6_matrices: int = 0  # layer matrices read as exact 6-bit codes
     q4_source: q4.FirstSource | None = field(default=None, repr=False)
     pack_cache: packcache.PackCache | None = field(default=None, repr=False)  # their packing from earlier processes
 
@@ -73,7 +74,7 @@ class TargetKernels:
             kernels.isa().name if self.attention_kernel else "-",
             # the kernels' sources: a change to a product or the attention changes the costs measured
             kernels.source_digest() if self.bf16_gemm else "-",
-            f"q4x{self.q4_matrices}",
+            f"q4x{self.q4_matrices}", f"q6x{self.q6_matrices}",
         ])
 
     # the kernel's decode-step attention and cache commit (keys_transposed layout)
@@ -101,23 +102,30 @@ class TargetKernels:
 
     def layer_linear(self, weight: Tensor, bias: Tensor | None = None, parameters: tuple[Tensor, ...] = ()) -> Linear:
         """A decoder layer's product: exact 4-bit blocks where the float32 checkpoint has that form (GGUF Q4_1) or the
-        model's GGUF file holds the matrix as Q4_K (on CPUs running the AVX2 kernels; `parameters` are the model's
-        weights stacked in `weight`), else the bfloat16 kernel, else (compiled) a plain nn.Linear that inductor packs
-        itself, else `linear`."""
+        model's GGUF file holds the matrix as Q4_K, exact 6-bit codes where the file holds it as Q6_K or Q5_0 (on CPUs
+        running the kernels; `parameters` are the model's weights stacked in `weight`), else the bfloat16 kernel, else
+        (compiled) a plain nn.Linear that inductor packs itself, else `linear`."""
         if self.q4_source is not None and parameters and self.q4_source.may_have(*parameters):
             cache = self.pack_cache
             key = cache.key(parameters) if cache is not None else ""
             known, packed = cache.get(key) if cache is not None else (False, None)
             linear = None
-            if packed is not None:  # packed by an earlier process
-                linear = q4.Q4Linear.from_packed(packed, tuple(weight.shape), bias)
+            if packed is not None:  # packed by an earlier process (the layouts' sizes differ: q6.q6_pack's is 1280)
+                kind = q6.Q6Linear if packed.shape[-1] == q6.PACKED_BYTES else q4.Q4Linear
+                linear = kind.from_packed(packed, tuple(weight.shape), bias)
             elif not known:
                 blocks = self.q4_source.blocks(*parameters)
-                linear = None if blocks is None else q4.Q4Linear(blocks, bias)
+                if isinstance(blocks, q6.Codes):
+                    linear = q6.Q6Linear(blocks, bias) if q6.available() else None
+                else:
+                    linear = None if blocks is None else q4.Q4Linear(blocks, bias)
                 if cache is not None:
                     cache.put(key, None if linear is None else linear.packed)
             if linear is not None:
-                self.q4_matrices += 1
+                if isinstance(linear, q6.Q6Linear):
+                    self.q6_matrices += 1
+                else:
+                    self.q4_matrices += 1
                 return linear
         if self.bf16_gemm:
             return kernels.Bf16Linear(weight, bias)

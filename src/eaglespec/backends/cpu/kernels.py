@@ -59,6 +59,11 @@ class Isa:
         """Whether this build has the 4-bit block product (torch.ops.eaglespec.q4_linear, eaglespec.backends.cpu.q4)."""
         return CSRC / self.name / "q4_gemm.h" in self.sources
 
+    @property
+    def has_q6(self) -> bool:
+        """Whether this build has the 6-bit code product (torch.ops.eaglespec.q6_linear, eaglespec.backends.cpu.q6)."""
+        return CSRC / self.name / "q6_gemm.h" in self.sources
+
 
 # The bfloat16 products, the decode-step attention, the KV-cache commit of an accepted path, the verified rows'
 # argmax, the draft's top-k and greedy decoding's screened LM head, built as one extension per instruction set.
@@ -68,14 +73,15 @@ class Isa:
 # only the vector micro-kernels, and each build is one translation unit (its kernels.cpp), so torch's headers are
 # parsed once a build. The AVX2 micro-kernels work on 8-lane vectors; its bfloat16 product is the FMA loop only (no
 # bfloat16 dot-product instruction), with the same bits as the AVX-512 build's FMA loop, and the greedy screen
-# multiplies bytes with vpmaddubsw instead of VNNI. The 4-bit block product (eaglespec.backends.cpu.q4) has
-# micro-kernels in both folders: float32 FMAs on AVX2, vdpbf16ps on AVX-512 BF16. The AVX-512 build requires and
+# multiplies bytes with vpmaddubsw instead of VNNI. The 4-bit block product (eaglespec.backends.cpu.q4) and the 6-bit
+# code product (eaglespec.backends.cpu.q6) have micro-kernels in both folders: float32 FMAs on AVX2, vdpbf16ps on
+# AVX-512 BF16. The AVX-512 build requires and
 # passes the AVX2 + FMA + F16C flags too (GCC's -mavx512f does not imply -mf16c).
 COMMON_SOURCES = tuple(CSRC / "common" / f"{name}.h" for name in (
     "shared", "ops", "bf16_gemm", "tree_attention", "commit_rows", "argmax_rows", "topk_rows", "screened_argmax",
-    "q4_gemm", "decoder_stack"))
+    "q4_gemm", "q6_gemm", "decoder_stack"))
 # in each ISA's folder
-MICRO_KERNELS = ("bf16_gemm", "tree_attention", "argmax_rows", "topk_rows", "screened_argmax", "q4_gemm")
+MICRO_KERNELS = ("bf16_gemm", "tree_attention", "argmax_rows", "topk_rows", "screened_argmax", "q4_gemm", "q6_gemm")
 
 
 def _sources(folder: str) -> tuple[Path, ...]:
@@ -163,6 +169,11 @@ def load() -> None:
 
     if build_isa.has_q4:  # csrc/common/q4_gemm.h (eaglespec.backends.cpu.q4)
         @torch.library.register_fake("eaglespec::q4_linear")
+        def _(x: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor:
+            return x.new_empty(x.shape[0], n)
+
+    if build_isa.has_q6:  # csrc/common/q6_gemm.h (eaglespec.backends.cpu.q6)
+        @torch.library.register_fake("eaglespec::q6_linear")
         def _(x: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor:
             return x.new_empty(x.shape[0], n)
 

@@ -28,9 +28,9 @@ NONE = "-"  # a matrix whose sources had no blocks
 
 
 def _code_digest() -> str:
-    from . import kquant, q4
+    from . import kquant, q4, q6
 
-    return hashlib.sha1(b"".join(Path(m.__file__).read_bytes() for m in (kquant, q4))
+    return hashlib.sha1(b"".join(Path(m.__file__).read_bytes() for m in (kquant, q4, q6))
                         + Path(__file__).read_bytes()).hexdigest()[:12]
 
 

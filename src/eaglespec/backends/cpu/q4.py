@@ -17,8 +17,8 @@ in 18.5 bytes per 32 weights (the file's 18), the kernels multiplying d' sc and 
 
 Used by bfloat16 fast targets wherever eaglespec's kernels run (`available`: both builds have it; their sums differ
 in the last bits, each row-invariant); $EAGLESPEC_Q4=0 turns it off (the layers then use the bfloat16 kernel).
-Weights without either form (a model from safetensors, a Q8_0, Q5_0 or Q6_K tensor) stay on the bfloat16 kernel,
-layer matrix by layer matrix.
+Weights without either form (a model from safetensors, a Q8_0 tensor) stay on the bfloat16 kernel, layer matrix by
+layer matrix; a GGUF file's Q6_K and Q5_0 tensors run as 6-bit codes (eaglespec.backends.cpu.q6).
 """
 
 from __future__ import annotations

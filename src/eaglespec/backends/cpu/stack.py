@@ -16,14 +16,17 @@ import torch
 from torch import Tensor
 
 from ... import envs
-from . import kernels, q4
+from . import kernels, q4, q6
 
-Q4_KIND = 2  # a product's kind in the stack: 0 / 1 the bfloat16 kernel's loop (kernels.VARIANTS), 2 the 4-bit one
+Q4_KIND = 2  # a product's kind in the stack: 0 / 1 the bfloat16 kernel's loop (kernels.VARIANTS), 2 the 4-bit one,
+Q6_KIND = 3  # 3 the 6-bit codes
 
 
 def _kind(linear) -> int | None:
     if isinstance(linear, q4.Q4Linear):
         return Q4_KIND
+    if isinstance(linear, q6.Q6Linear):
+        return Q6_KIND
     if isinstance(linear, kernels.Bf16Linear):
         return linear.variant
     return None

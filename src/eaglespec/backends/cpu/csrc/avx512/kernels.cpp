@@ -4,6 +4,7 @@
 #include "argmax_rows.h"
 #include "bf16_gemm.h"
 #include "q4_gemm.h"
+#include "q6_gemm.h"
 #include "screened_argmax.h"
 #include "topk_rows.h"
 #include "tree_attention.h"

@@ -5,7 +5,7 @@
 //   h = RMSNorm(x) * w_in;  qkv = h W_qkv^T (+ b);  q, k = RoPE(q, k);
 //   attention of each sequence's rows over its own cache (attention::tree_attention_batch, which writes k and v);
 //   x = x + attn W_o^T;  h = RMSNorm(x) * w_post;  gate, up = h W_gu^T;  x = x + (SiLU(gate) up) W_down^T.
-// The products are the kernels' own (bf16::bf16_linear, q4::q4_linear). The steps between them work on each row
+// The products are the kernels' own (bf16::bf16_linear, q4::q4_linear, q6::q6_linear). The steps between them work on each row
 // alone, in a fixed order, and round to bfloat16 where the model's bfloat16 arithmetic does (each elementwise result,
 // as torch's bfloat16 operators round them); RMSNorm sums x^2 in float32 over 8 interleaved partial sums. So a row's
 // bits depend on that row only: a verified tree row gets the bits of the one-token step that would compute it, and
@@ -16,6 +16,7 @@
 
 #include "bf16_gemm.h"
 #include "q4_gemm.h"
+#include "q6_gemm.h"
 #include "shared.h"
 #include "tree_attention.h"
 
@@ -23,7 +24,8 @@ namespace eaglespec::stack {
 namespace {
 
 constexpr int64_t kMatrices = 4;  // per layer: qkv, o, gate_up, down
-constexpr int64_t kQ4 = 2;        // a matrix's kind: 0 or 1 the bf16_linear variant, 2 the exact 4-bit product
+constexpr int64_t kQ4 = 2;        // a matrix's kind: 0 or 1 the bf16_linear variant, 2 the exact 4-bit product,
+constexpr int64_t kQ6 = 3;        // 3 the 6-bit code product
 
 inline float bf16_round(float value) { return bf16_to_float(to_bf16(value)); }
 
@@ -66,10 +68,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, float eps) {
   return out;
 }
 
-// One layer product: kinds 0 / 1 the bfloat16 kernel's variants, 2 the exact 4-bit one.
+// One layer product: kinds 0 / 1 the bfloat16 kernel's variants, 2 the exact 4-bit one, 3 the 6-bit codes.
 at::Tensor product(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias,
                    int64_t kind) {
-  return kind == kQ4 ? q4::q4_linear(x, packed, n, bias) : bf16::bf16_linear(x, packed, n, bias, kind);
+  if (kind == kQ4) return q4::q4_linear(x, packed, n, bias);
+  if (kind == kQ6) return q6::q6_linear(x, packed, n, bias);
+  return bf16::bf16_linear(x, packed, n, bias, kind);
 }
 
 // qkv [N, (H + 2 Hkv) hd] bfloat16 -> q [H, N, hd], k, v [Hkv, N, hd] float32: RoPE (rotate-half form) on q and k
@@ -183,7 +187,8 @@ std::vector<at::Tensor> decoder_stack(const at::Tensor& x_in, const at::Tensor& 
                     norms[i].is_contiguous(),
                 "decoder_stack: norm weights must be [", d, "] bfloat16");
   for (int64_t i = 0; i < kMatrices * layers; ++i)
-    TORCH_CHECK(kinds[i] >= 0 && kinds[i] <= kQ4, "decoder_stack: a product's kind is 0, 1 (bfloat16) or 2 (4-bit)");
+    TORCH_CHECK(kinds[i] >= 0 && kinds[i] <= kQ6,
+                "decoder_stack: a product's kind is 0, 1 (bfloat16), 2 (4-bit) or 3 (6-bit codes)");
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const float epsilon = static_cast<float>(eps);
   at::Tensor x = x_in.clone(at::MemoryFormat::Contiguous);

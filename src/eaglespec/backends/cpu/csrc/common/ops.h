@@ -12,6 +12,7 @@
 #include "commit_rows.h"
 #include "decoder_stack.h"
 #include "q4_gemm.h"
+#include "q6_gemm.h"
 #include "screened_argmax.h"
 #include "shared.h"
 #include "topk_rows.h"
@@ -32,6 +33,8 @@ TORCH_LIBRARY(eaglespec, m) {
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, int n, Tensor? bias) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("q4_unpack(Tensor packed, int n, int k) -> Tensor");
+  m.def("q6_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("q6_unpack(Tensor packed, int n, int k) -> Tensor");
   m.def("decoder_stack(Tensor x, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] packed, int[] outs, int[] kinds, "
         "Tensor?[] biases, Tensor(a!)[] keys_t, Tensor(b!)[] values, int[] cached, int[] sizes, Tensor?[] step_masks, "
         "int heads, int kv_heads, float eps, int[] saved) -> Tensor[]");
@@ -49,5 +52,7 @@ TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
   m.impl("int8_linear", eaglespec::screen::int8_linear);
   m.impl("q4_linear", eaglespec::q4::q4_linear);
   m.impl("q4_unpack", eaglespec::q4::q4_unpack);
+  m.impl("q6_linear", eaglespec::q6::q6_linear);
+  m.impl("q6_unpack", eaglespec::q6::q6_unpack);
   m.impl("decoder_stack", eaglespec::stack::decoder_stack);
 }

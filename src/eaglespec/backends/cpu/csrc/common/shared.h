@@ -202,3 +202,27 @@ struct SuperLayout {  // Q4_K: super-blocks of kSuperBlocks blocks under a heade
 
 }  // namespace
 }  // namespace eaglespec::q4
+
+// The 6-bit code products (common/q6_gemm.h).
+namespace eaglespec::q6 {
+namespace {
+
+// The packed weight (q6_pack in eaglespec/backends/cpu/q6.py): [N/32 groups][K/32 blocks][1280 bytes]; a group-block
+// holds the scales s of its 32 columns for k 0-15 of the block, then for k 16-31 (float32, 128 bytes each), then the
+// codes q (uint8 in [0, 63]; the weight is s (q - 32)), 64 bytes per k-pair p (1024 bytes): byte
+// 16 j + 8 u + 2 i + e of pair p holds q[16 u + 4 j + i][32 b + 2 p + e] (j, i in [0, 4), u, e in {0, 1}: each
+// 16-byte lane j has columns 4 j .. 4 j + 3, then 16 + 4 j .. 16 + 4 j + 3, each column's two k together).
+constexpr int64_t kCols = 32;        // output columns per group
+constexpr int64_t kBlockK = 32;      // k per block
+constexpr int64_t kScaleK = 16;      // k per scale
+constexpr int64_t kScaleBytes = 256;
+constexpr int64_t kCodeBytes = 1024;
+constexpr int64_t kBlockBytes = kScaleBytes + kCodeBytes;
+
+// Where column c's code of k-pair p, k 2 p + e, lies among a group-block's codes.
+inline int64_t code_index(int64_t p, int64_t c, int64_t e) {
+  return 64 * p + 16 * (c % 16 / 4) + 8 * (c / 16) + 2 * (c % 4) + e;
+}
+
+}  // namespace
+}  // namespace eaglespec::q6

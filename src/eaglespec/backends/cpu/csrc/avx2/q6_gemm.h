@@ -1,0 +1,84 @@
+// The 6-bit code products' micro-kernels for CPUs with AVX2 + FMA (the operator and its packed layout:
+// common/q6_gemm.h, common/shared.h).
+//
+// A group-block's codes are turned into floats q - 32 once, into L1 ([32 k][32 columns]: per k-pair and 8 columns,
+// the 16 code bytes split into even and odd k by a mask and a shift, widened and converted), and every row multiplies
+// from there: per 16 k and 8 columns, even and odd k in two FMA chains, S = S_even + S_odd, then acc = fma(s, S, acc).
+// The rows take these steps one after another, each the same whatever else is in the call (row-invariant).
+
+#pragma once
+
+#include "../common/shared.h"
+
+namespace eaglespec::q6 {
+namespace {
+namespace avx2 {
+
+constexpr bool kBf16Rows = false;  // the rows come as exact float32 copies of the bfloat16 inputs
+constexpr bool kNeedsSums = false;
+
+// 8 uint16 codes (one k: columns 4 j .. 4 j + 3, then 16 + 4 j .. 16 + 4 j + 3) -> floats q - 32 in row qk of qf.
+inline void codes_to_floats(__m128i q16, int j, float* qk) {
+  const __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(q16)), _mm256_set1_ps(32.0f));
+  _mm_store_ps(qk + 4 * j, _mm256_castps256_ps128(q));
+  _mm_store_ps(qk + 16 + 4 * j, _mm256_extractf128_ps(q, 1));
+}
+
+// One group-block's codes as floats q - 32 [32 k][32 columns] into qf (32-byte aligned): per k-pair and 16-byte
+// lane, the even bytes (k = 2 p) by a mask and the odd ones (k = 2 p + 1) by a shift.
+inline void block_floats(const uint8_t* codes, float* qf) {
+  const __m128i low8 = _mm_set1_epi16(0x00FF);
+  for (int p = 0; p < 16; ++p)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 64 * p + 16 * j));
+      codes_to_floats(_mm_and_si128(bytes, low8), j, qf + (2 * p) * kCols);
+      codes_to_floats(_mm_srli_epi16(bytes, 8), j, qf + (2 * p + 1) * kCols);
+    }
+}
+
+// Any number of rows times all 32 columns of a group -> acc [rows][kCols] (float32, overwritten).
+void group_rows(int64_t rows, const void* x_rows, int64_t ldx, const float*, int64_t blocks, const uint8_t* group,
+                float* acc) {
+  const auto* x = static_cast<const float*>(x_rows);
+  alignas(32) float qf[kBlockK * kCols];
+  std::fill(acc, acc + rows * kCols, 0.0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = group + b * kBlockBytes;
+    for (int line = 0; line < kBlockBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * kBlockBytes + line), _MM_HINT_T0);
+    block_floats(blk + kScaleBytes, qf);
+    const auto* scales = reinterpret_cast<const float*>(blk);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xb = x + r * ldx + b * kBlockK;
+      float* a = acc + r * kCols;
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        __m256 se[4], so[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) se[v] = so[v] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+        for (int k = 16 * h; k < 16 * h + 16; k += 2) {
+          const __m256 xe = _mm256_broadcast_ss(xb + k), xo = _mm256_broadcast_ss(xb + k + 1);
+#pragma GCC unroll 4
+          for (int v = 0; v < 4; ++v) {
+            se[v] = _mm256_fmadd_ps(xe, _mm256_load_ps(qf + k * kCols + 8 * v), se[v]);
+            so[v] = _mm256_fmadd_ps(xo, _mm256_load_ps(qf + (k + 1) * kCols + 8 * v), so[v]);
+          }
+        }
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) {
+          const __m256 scale = _mm256_loadu_ps(scales + 32 * h + 8 * v);
+          _mm256_storeu_ps(a + 8 * v, _mm256_fmadd_ps(scale, _mm256_add_ps(se[v], so[v]), _mm256_loadu_ps(a + 8 * v)));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace avx2
+
+namespace isa = avx2;
+
+}  // namespace
+}  // namespace eaglespec::q6

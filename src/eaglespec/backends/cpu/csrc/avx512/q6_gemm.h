@@ -1,0 +1,103 @@
+// The 6-bit code products' micro-kernels for CPUs with AVX-512 BF16 (the operator and its packed layout:
+// common/q6_gemm.h, common/shared.h).
+//
+// A k-pair's codes for the 32 columns of a group are 64 bytes, ordered so that one byte unpack against 0x43 (vpunpcklbw,
+// vpunpckhbw) makes 16-bit words 0x43qq: the bfloat16 value 128 + q, exactly (bfloat16 holds the integers of
+// [128, 256) exactly, and their low 7 bits are the mantissa), in the two halves of each 32-bit lane for the pair's two
+// k, 16 columns a vector. vdpbf16ps multiplies them with the row's two bfloat16 inputs of the pair, broadcast: every
+// product exact. Per row, column and 16 k: S = the vdpbf16ps chain over the 8 k-pairs in order of k, which is
+// sum x (128 + q); then acc = fma(s, S - 160 X, acc), X the 16 inputs' sum (from the host code), since
+// q - 32 = (128 + q) - 160. The unpack costs one instruction per 32 weights, shared by the tile's up to kTileRows rows.
+// Every row goes through exactly these instructions whatever else is in the call (row-invariant).
+
+#pragma once
+
+#include "../common/shared.h"
+
+namespace eaglespec::q6 {
+namespace {
+namespace avx512 {
+
+constexpr bool kBf16Rows = true;  // the rows come as the operator's bfloat16 inputs
+constexpr bool kNeedsSums = true;  // and their 16-k sums X
+constexpr int kTileRows = 8;
+
+// R rows (R <= kTileRows) times the 32 columns of one group, every block -> acc [R][kCols] (float32, overwritten).
+// xsum [R][K/16]: each row's sums X of 16 inputs.
+template <int R>
+void tile_rows(const uint16_t* x, int64_t ldx, const float* xsum, int64_t blocks, const uint8_t* group, float* acc) {
+  const __m512i exponent = _mm512_set1_epi8(0x43);
+  const int64_t halves = 2 * blocks;
+  __m512 a[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = group + b * kBlockBytes;
+    for (int line = 0; line < kBlockBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * kBlockBytes + line), _MM_HINT_T0);
+    const uint8_t* codes = blk + kScaleBytes;
+    const auto* scales = reinterpret_cast<const float*>(blk);
+    const uint16_t* xb = x + b * kBlockK;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {  // k 16 h .. 16 h + 15: one scale
+      __m512 s[R][2];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int p = 8 * h; p < 8 * h + 8; ++p) {
+        const __m512i q = _mm512_loadu_si512(codes + 64 * p);
+        const __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(q, exponent);  // columns 0-15
+        const __m512bh w1 = (__m512bh)_mm512_unpackhi_epi8(q, exponent);  // columns 16-31
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t bits;
+          std::memcpy(&bits, xb + r * ldx + 2 * p, sizeof(bits));
+          const __m512bh xk = (__m512bh)_mm512_set1_epi32(bits);
+          s[r][0] = _mm512_dpbf16_ps(s[r][0], xk, w0);
+          s[r][1] = _mm512_dpbf16_ps(s[r][1], xk, w1);
+        }
+      }
+#pragma GCC unroll 2
+      for (int v = 0; v < 2; ++v) {
+        const __m512 scale = _mm512_loadu_ps(scales + 32 * h + 16 * v);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512 offset = _mm512_set1_ps(160.0f * xsum[r * halves + 2 * b + h]);
+          a[r][v] = _mm512_fmadd_ps(scale, _mm512_sub_ps(s[r][v], offset), a[r][v]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) _mm512_storeu_ps(acc + r * kCols + 16 * v, a[r][v]);
+}
+
+// All 32 columns of a group for any number of rows, kTileRows at a time -> acc [rows][kCols].
+void group_rows(int64_t rows, const void* x_rows, int64_t ldx, const float* xsum, int64_t blocks, const uint8_t* group,
+                float* acc) {
+  const auto* x = static_cast<const uint16_t*>(x_rows);
+  for (int64_t row = 0; row < rows; row += kTileRows) {
+    const uint16_t* xr = x + row * ldx;
+    const float* sr = xsum + row * 2 * blocks;
+    float* ar = acc + row * kCols;
+    switch (std::min<int64_t>(kTileRows, rows - row)) {
+      case 1: tile_rows<1>(xr, ldx, sr, blocks, group, ar); break;
+      case 2: tile_rows<2>(xr, ldx, sr, blocks, group, ar); break;
+      case 3: tile_rows<3>(xr, ldx, sr, blocks, group, ar); break;
+      case 4: tile_rows<4>(xr, ldx, sr, blocks, group, ar); break;
+      case 5: tile_rows<5>(xr, ldx, sr, blocks, group, ar); break;
+      case 6: tile_rows<6>(xr, ldx, sr, blocks, group, ar); break;
+      case 7: tile_rows<7>(xr, ldx, sr, blocks, group, ar); break;
+      default: tile_rows<8>(xr, ldx, sr, blocks, group, ar);
+    }
+  }
+}
+
+}  // namespace avx512
+
+namespace isa = avx512;
+
+}  // namespace
+}  // namespace eaglespec::q6
