@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from test_fastpath import PROMPT
 from test_kquant import needs_kernel, q4_k_model  # noqa: F401 (a fixture)
 
-from eaglespec.backends.cpu import kquant, q4
+from eaglespec.backends.cpu import kquant, packcache, q4
 from eaglespec.targets import source
 from eaglespec.targets.fast import FastTarget
 
@@ -91,3 +91,20 @@ def test_a_touched_source_or_an_unreadable_cache_file_is_a_miss(q4_k_model, cach
         assert newer != file and other.is_file()
     finally:
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_cached_packing_of_another_shape_is_packed_again(q4_k_model, cache):  # noqa: F811
+    model, path = q4_k_model
+    folder, calls = cache
+    target = build(model, path)
+    stored = packcache.PackCache(model, [path])
+    assert len(stored.entries) == 8
+    key = next(iter(stored.entries))
+    stored.entries[key] = torch.zeros(1, 1, 640, dtype=torch.uint8)  # a packing, but of no matrix of this model
+    stored.changed = True
+    stored.save()
+    calls.clear()
+    again = build(model, path)
+    assert again.q4_matrices == 8 and len(calls) == 1  # that matrix alone was found and packed again
+    outs = [t.forward(PROMPT) for t in (target, again)]
+    assert torch.equal(outs[0].logits, outs[1].logits)

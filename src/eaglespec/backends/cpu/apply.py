@@ -110,10 +110,10 @@ class TargetKernels:
             key = cache.key(parameters) if cache is not None else ""
             known, packed = cache.get(key) if cache is not None else (False, None)
             linear = None
-            if packed is not None:  # packed by an earlier process (the layouts' sizes differ: q6.q6_pack's is 1280)
-                kind = q6.Q6Linear if packed.shape[-1] == q6.PACKED_BYTES else q4.Q4Linear
-                linear = kind.from_packed(packed, tuple(weight.shape), bias)
-            elif not known:
+            if packed is not None:  # packed by an earlier process
+                linear = _from_packed(packed, tuple(weight.shape), bias)
+                known = linear is not None  # a packing of another shape: not this matrix's, pack it again
+            if linear is None and not known:
                 blocks = self.q4_source.blocks(*parameters)
                 if isinstance(blocks, q6.Codes):
                     linear = q6.Q6Linear(blocks, bias) if q6.available() else None
@@ -165,6 +165,22 @@ class TargetKernels:
                       device: torch.device):
         return compiled.compile_stack(layers, heads, eps, self.attention_dtype, features, device,
                                       autotune=not self.bf16_gemm, tree_kernel=self.tree_kernel)
+
+
+def _from_packed(packed: Tensor, shape: tuple[int, int], bias: Tensor | None) -> Linear | None:
+    """The product of a cached packing of an [N, K] matrix (its layout told by its last size), or None where the
+    tensor is no packing of that shape."""
+    n, k = shape
+    groups = -(-n // q4.COLUMNS)
+    layouts = {q4.HALF_BYTES: (k // q4.BLOCK, q4.Q4Linear),
+               q4.SUPER_BYTES: (k // (q4.BLOCK * q4.SUPER_BLOCKS), q4.Q4Linear),
+               q6.PACKED_BYTES: (k // q6.BLOCK, q6.Q6Linear)}
+    if packed.dim() != 3 or packed.dtype != torch.uint8 or packed.shape[-1] not in layouts:
+        return None
+    blocks, kind = layouts[packed.shape[-1]]
+    if tuple(packed.shape[:2]) != (groups, blocks) or not packed.is_contiguous():
+        return None
+    return kind.from_packed(packed, shape, bias)
 
 
 def check_quantize(mode: str | None, device: torch.device | str = "cpu") -> str | None:

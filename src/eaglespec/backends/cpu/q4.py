@@ -61,6 +61,8 @@ class Blocks:
 
 
 SUPER_BLOCKS = 8  # blocks per Q4_K super-block (256 input channels)
+HALF_BYTES = 640  # a packed Q4_1 group-block: float16 d and m of 32 columns, 512 bytes of q
+SUPER_BYTES = 4736  # a packed Q4_K group-super-block: float16 d and dmin of 32 columns, 8 x (sc, mn, q)
 
 
 @dataclass(frozen=True)
