@@ -127,14 +127,21 @@ def test_super_blocks_pack_rebuild_the_weights_and_are_row_invariant(n, k):
     weight = gguf_weight(raw, n, k)
     assert torch.equal(torch.ops.eaglespec.q4_unpack(packed, n, k), weight)
     bias = torch.randn(n)
-    layer = q4.Q4Linear(blocks, bias)
-    x = torch.randn(9, k).bfloat16()
+    assert_exact_and_row_invariant(q4.Q4Linear(blocks, bias), weight, bias)
+
+
+def assert_exact_and_row_invariant(layer, weight: torch.Tensor, bias: torch.Tensor) -> None:
+    """The product of 11 bfloat16 rows is the exact one (float64) up to bfloat16 and float32 rounding, and each row's
+    bits are the same alone, in the first r rows or after other rows (tiles of 8 rows on AVX-512: 9-11 take two)."""
+    k = weight.shape[1]
+    x = torch.randn(11, k).bfloat16()
     whole = layer(x)
     exact = x.double() @ weight.double().T + bias.double()
     bound = exact.abs() * 2**-8 + 1e-5 * k * (x.double().abs() @ weight.double().abs().T)
     assert ((whole.double() - exact).abs() <= bound).all()
-    for rows in range(1, 9):
+    for rows in range(1, 11):
         assert torch.equal(layer(x[:rows]), whole[:rows]), rows
+        assert torch.equal(layer(x[rows : rows + 1]), whole[rows : rows + 1]), rows
 
 
 @pytest.mark.parametrize("kind", ["Q6_K", "Q5_0"])
@@ -162,15 +169,7 @@ def test_six_bit_codes_unpack_to_the_weights_and_multiply_row_invariantly(n, k):
     stacked = q6.Codes.cat([codes, kquant.q5_0_codes(random_q5_0(24, k, seed=1), 24, k)])
     assert torch.equal(torch.ops.eaglespec.q6_unpack(q6.q6_pack(stacked), n + 24, k), stacked.weight())
     bias = torch.randn(n)
-    layer = q6.Q6Linear(codes, bias)
-    x = torch.randn(11, k).bfloat16()
-    whole = layer(x)
-    exact = x.double() @ weight.double().T + bias.double()
-    bound = exact.abs() * 2**-8 + 1e-5 * k * (x.double().abs() @ weight.double().abs().T)
-    assert ((whole.double() - exact).abs() <= bound).all()
-    for rows in range(1, 11):  # tiles of 8 rows on AVX-512: 9 and 10 rows take two
-        assert torch.equal(layer(x[:rows]), whole[:rows]), rows
-        assert torch.equal(layer(x[rows : rows + 1]), whole[rows : rows + 1]), rows
+    assert_exact_and_row_invariant(q6.Q6Linear(codes, bias), weight, bias)
     with pytest.raises(ValueError, match="float32 scales"):
         q6.q6_pack(q6.Codes(codes.s.half(), codes.q))
 

@@ -169,31 +169,40 @@ def q4_pack(blocks: Blocks | SuperBlocks) -> Tensor:
     return torch.cat([header, records.view(groups, supers, -1)], dim=-1).contiguous()  # [G, S, 4736]
 
 
-class Q4Linear(nn.Module):
-    """y = x W^T (+ b) with W read as exact 4-bit blocks (`find_blocks`). x [..., K] -> [..., N] bfloat16."""
+class PackedLinear(nn.Module):
+    """y = x W^T (+ b) through one of the kernels' operators on a packed weight (`op`: its name in
+    torch.ops.eaglespec, taking (x [M, K] bfloat16, packed, N, bias)). x [..., K] -> [..., N] bfloat16."""
 
-    def __init__(self, blocks: Blocks | SuperBlocks, bias: Tensor | None = None):
+    op = ""
+
+    def __init__(self, packed: Tensor, shape: tuple[int, int], bias: Tensor | None = None):
         super().__init__()
         kernels.load()
-        self.out_features, self.in_features = blocks.q.shape
-        self.register_buffer("packed", q4_pack(blocks))
+        self.out_features, self.in_features = shape
+        self.register_buffer("packed", packed)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     @classmethod
-    def from_packed(cls, packed: Tensor, shape: tuple[int, int], bias: Tensor | None = None) -> "Q4Linear":
-        """A product of [N, K] = `shape` from its packed blocks (`q4_pack`'s, e.g. read back by packcache)."""
+    def from_packed(cls, packed: Tensor, shape: tuple[int, int], bias: Tensor | None = None) -> "PackedLinear":
+        """A product of [N, K] = `shape` from its packed weight (e.g. read back by packcache)."""
         linear = cls.__new__(cls)
-        nn.Module.__init__(linear)
-        kernels.load()
-        linear.out_features, linear.in_features = shape
-        linear.register_buffer("packed", packed)
-        linear.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        PackedLinear.__init__(linear, packed, shape, bias)
         return linear
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, K]
-        y = torch.ops.eaglespec.q4_linear(rows, self.packed, self.out_features, self.bias)  # [M, N]
+        y = getattr(torch.ops.eaglespec, self.op)(rows, self.packed, self.out_features, self.bias)  # [M, N]
         return y.view(*x.shape[:-1], self.out_features)
+
+
+class Q4Linear(PackedLinear):
+    """y = x W^T (+ b) with W read as exact 4-bit blocks (`find_blocks`, `kquant`). x [..., K] -> [..., N]
+    bfloat16."""
+
+    op = "q4_linear"
+
+    def __init__(self, blocks: Blocks | SuperBlocks, bias: Tensor | None = None):
+        super().__init__(q4_pack(blocks), tuple(blocks.q.shape), bias)
 
 
 class Float32Source:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from ... import envs
 from . import kernels
+from .q4 import PackedLinear
 
 SCALE_K = 16  # input channels per scale
 BLOCK = 32  # input channels per packed block
@@ -74,28 +75,10 @@ def q6_pack(codes: Codes) -> Tensor:
     return torch.cat([s, q], dim=-1).contiguous()
 
 
-class Q6Linear(nn.Module):
+class Q6Linear(PackedLinear):
     """y = x W^T (+ b) with W read as exact 6-bit codes. x [..., K] -> [..., N] bfloat16."""
 
+    op = "q6_linear"
+
     def __init__(self, codes: Codes, bias: Tensor | None = None):
-        super().__init__()
-        kernels.load()
-        self.out_features, self.in_features = codes.q.shape
-        self.register_buffer("packed", q6_pack(codes))
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-
-    @classmethod
-    def from_packed(cls, packed: Tensor, shape: tuple[int, int], bias: Tensor | None = None) -> "Q6Linear":
-        """A product of [N, K] = `shape` from its packed codes (`q6_pack`'s, e.g. read back by packcache)."""
-        linear = cls.__new__(cls)
-        nn.Module.__init__(linear)
-        kernels.load()
-        linear.out_features, linear.in_features = shape
-        linear.register_buffer("packed", packed)
-        linear.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-        return linear
-
-    def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, self.in_features)  # [M, K]
-        y = torch.ops.eaglespec.q6_linear(rows, self.packed, self.out_features, self.bias)  # [M, N]
-        return y.view(*x.shape[:-1], self.out_features)
+        super().__init__(q6_pack(codes), tuple(codes.q.shape), bias)
