@@ -25,3 +25,22 @@ eaglespec train head --kind eagle3 --model qwen2.5-coder-1.5b --data runs/qwen/h
   --out runs/qwen/head1/eagle3 --max-length 768 --eval-size 16 --cache-features runs/qwen/head1/features \
   --eval-steps 5 --batch-size 4 --lr 8e-4 --warmup-steps 50 --epochs 100 --eval-every 200 --save-every 100 \
   --save-dtype bfloat16 --threads 2 --draft-vocab-size 8192 --ttt-steps 3 --intermediate-size 2048 --time-budget 55
+
+# The second head (2026-11-28, a 2-vCPU AMD EPYC Zen 4 VM with AVX-512 BF16; not shipped either): the first 1,092
+# answers, features computed with bfloat16 products (256K tokens, 3 GB; 52 minutes with other work beside it), then
+# bfloat16 mixed-precision training at 2.2 s a step, stopped at step 700 (held-out acc@1 0.240 / 0.302 / 0.333 at
+# steps 200 / 400 / 600: slower than the first head's 0.527 at 670 float32 steps on 544 answers). Its bench:
+# benchmarks/runs/2026-11-28-zen4-1.5b-codes (tau 1.53 on MT-bench with --tree auto, 0.96x plain decoding).
+mkdir -p runs/qwen/head2
+gunzip -c data/qwen2.5-coder-1.5b/answers.jsonl.gz | head -n 1092 > runs/qwen/head2/answers-1092.jsonl
+eaglespec train head --kind eagle3 --model qwen2.5-coder-1.5b --data runs/qwen/head2/answers-1092.jsonl \
+  --out runs/qwen/head2/eagle3 --max-length 768 --eval-size 16 --cache-features runs/qwen/head2/features \
+  --feature-dtype bfloat16 --mixed-precision bf16 \
+  --eval-steps 5 --batch-size 4 --lr 8e-4 --warmup-steps 50 --epochs 100 --eval-every 200 --save-every 100 \
+  --save-dtype bfloat16 --threads 2 --draft-vocab-size 8192 --ttt-steps 3 --intermediate-size 2048 --time-budget 45
+# The same on the cached features in float32 (--mixed-precision no), to tell whether the mixed precision is why:
+eaglespec train head --kind eagle3 --model qwen2.5-coder-1.5b --data runs/qwen/head2/answers-1092.jsonl \
+  --out runs/qwen/head2/eagle3-fp32 --max-length 768 --eval-size 16 --cache-features runs/qwen/head2/features \
+  --feature-dtype bfloat16 --mixed-precision no \
+  --eval-steps 5 --batch-size 4 --lr 8e-4 --warmup-steps 50 --epochs 100 --eval-every 200 --save-every 100 \
+  --save-dtype bfloat16 --threads 2 --draft-vocab-size 8192 --ttt-steps 3 --intermediate-size 2048 --time-budget 45
