@@ -163,7 +163,7 @@ def test_six_bit_codes_unpack_to_the_weights_and_multiply_row_invariantly(n, k):
     raw = random_q6_k(n, k, seed=n)
     codes = kquant.q6_k_codes(raw, n, k)
     packed = q6.q6_pack(codes)
-    assert packed.shape == ((n + 31) // 32, k // 32, 1280)
+    assert packed.shape == ((n + 31) // 32, k // 32, 1024)
     weight = gguf_weight(raw, n, k, GGMLQuantizationType.Q6_K)
     assert torch.equal(torch.ops.eaglespec.q6_unpack(packed, n, k), weight)
     stacked = q6.Codes.cat([codes, kquant.q5_0_codes(random_q5_0(24, k, seed=1), 24, k)])

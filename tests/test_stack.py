@@ -15,7 +15,8 @@ from test_fastpath import PROMPT, TREE
 
 from eaglespec import Engine, TreeSettings
 from eaglespec.backends.cpu import kernels as bf16gemm
-from eaglespec.backends.cpu.stack import KernelStack
+from eaglespec.backends.cpu import q4, q6
+from eaglespec.backends.cpu.stack import Q4_KIND, Q6_KIND, KernelStack
 from eaglespec.targets.fast import FastTarget
 
 pytestmark = [
@@ -60,6 +61,54 @@ def test_the_stack_computes_what_the_layers_in_python_compute(model, monkeypatch
     torch.testing.assert_close(stacked.keys[:, :, :c].float(), python.keys[:, :, :c].float(), atol=0.05, rtol=0.05)
     torch.testing.assert_close(stacked.values[:, :, :c].float(), python.values[:, :, :c].float(), atol=0.05,
                                rtol=0.05)
+
+
+def codes_near(weight: torch.Tensor) -> q6.Codes:
+    """6-bit codes close to a weight [N, K]: s = max |w| / 31 per 16 input channels."""
+    n, k = weight.shape
+    blocks = weight.float().view(n, k // 16, 16)
+    s = (blocks.abs().amax(-1) / 31).clamp_min(1e-8)  # [N, K/16]
+    q = (blocks / s[..., None]).round().clamp(-32, 31) + 32
+    return q6.Codes(s.contiguous(), q.to(torch.uint8).view(n, k))
+
+
+def blocks_near(weight: torch.Tensor) -> q4.Blocks:
+    """4-bit blocks close to a weight [N, K] (Q4_1: d, m float16 per 32 input channels)."""
+    n, k = weight.shape
+    blocks = weight.float().view(n, k // 32, 32)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    d, m = ((high - low) / 15).clamp_min(1e-6).half(), low.half()
+    q = ((blocks - m.float()[..., None]) / d.float()[..., None]).round().clamp(0, 15)
+    return q4.Blocks(d, m, q.to(torch.uint8).view(n, k))
+
+
+@pytest.mark.skipif(not (q4.available() and q6.available()), reason="the 4-bit and 6-bit products are off here")
+def test_the_stack_runs_4_bit_and_6_bit_products_as_the_layers_in_python_do(model, monkeypatch):
+    """Products of every kind in one stack (a GGUF target's mix: bfloat16 q/k/v, 4-bit blocks, 6-bit codes): the
+    stack's logits and features are the Python layers' over the same packed weights, and the greedy tokens equal."""
+    stacked, python = targets(model, monkeypatch)
+    mlps = [layer.mlp for layer in model.model.layers]
+    down = [q6.Q6Linear(codes_near(mlp.down_proj.weight)) for mlp in mlps]  # [d, I]
+    gate_up = [q4.Q4Linear(blocks_near(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))) for mlp in mlps]
+    for t in (stacked, python):
+        for i, layer in enumerate(t.layers):
+            layer.down = down[i]
+            if i % 2:
+                layer.gate_up = gate_up[i]  # [2 I, d]
+    stacked.kernel_stack = KernelStack.of(stacked.layers, (stacked.n_heads, stacked.n_kv, stacked.head_dim),
+                                          stacked.eps)
+    assert stacked.kernel_stack.kinds[3] == Q6_KIND and stacked.kernel_stack.kinds[6] == Q4_KIND
+    outs = []
+    for t in (stacked, python):
+        t.reset()
+        prefill = t.forward(PROMPT)
+        t.commit()
+        verify = t.forward(TREE.tokens, TREE.positions(t.cache_len), TREE.ancestor_mask())
+        outs.append((prefill, verify))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a.logits, b.logits, atol=0.1, rtol=0.05)
+        torch.testing.assert_close(a.features.float(), b.features.float(), atol=0.05, rtol=0.05)
+        assert torch.equal(a.logits.argmax(-1), b.logits.argmax(-1))
 
 
 def test_the_stack_saves_the_inputs_of_the_feature_layers(model, monkeypatch):

@@ -4,7 +4,7 @@ A Q6_K row is, per 16 consecutive input channels, s (q - 32) with q a 6-bit code
 channels, sc a signed byte per 16: exact in float32); a Q5_0 row is d (q - 16) per 32 with a 5-bit q, the same form
 with the code q + 16. eaglespec.backends.cpu.kquant reads both from the file as `Codes` (every weight rebuilt bit
 for bit against gguf's dequantization, `Codes.weight`); `Q6Linear` multiplies through csrc/common/q6_gemm.h, reading
-10 bits a weight (a byte and a float32 scale per 16) instead of bfloat16's 16, every product x (q - 32) exact and a
+8 bits a weight (6 bits and a float32 scale per 16) instead of bfloat16's 16, every product x (q - 32) exact and a
 row's sums in a fixed order whatever else is in the call (row-invariant). Qwen2.5-Coder-1.5B's Q4_K_M file keeps
 half of its ffn_down matrices in Q6_K; its 0.5B sibling keeps most of its matrices in Q5_0.
 
@@ -27,7 +27,8 @@ SCALE_K = 16  # input channels per scale
 BLOCK = 32  # input channels per packed block
 COLUMNS = 32  # output columns per packed group (csrc/common/shared.h)
 OFFSET = 32  # a weight is s (q - OFFSET)
-PACKED_BYTES = 1280  # a packed group-block: 2 x 32 float32 scales, 1024 codes
+PAIR_BYTES = 48  # a k-pair's 64 codes: 32 bytes of low nibbles, 16 of high 2-bit pieces
+PACKED_BYTES = 256 + 16 * PAIR_BYTES  # a packed group-block: 2 x 32 float32 scales, then 16 k-pairs' codes
 
 
 def available() -> bool:
@@ -57,10 +58,12 @@ class Codes:
 
 
 def q6_pack(codes: Codes) -> Tensor:
-    """csrc/common/shared.h's layout (both builds' micro-kernels read it): [ceil(N/32), K/32, 1280] uint8; per
-    group-block the scales of its 32 columns for its first 16 k, then for the next 16 (float32), then the codes, 64
-    bytes per k-pair: in each 16-byte lane j the pair's two codes of columns 4 j .. 4 j + 3, then of 16 + 4 j ..
-    16 + 4 j + 3 (so that the AVX-512 kernel's byte unpack yields 16 columns in order)."""
+    """csrc/common/shared.h's layout (both builds' micro-kernels read it): [ceil(N/32), K/32, 1024] uint8; per
+    group-block the scales of its 32 columns for its first 16 k, then for the next 16 (float32), then the codes, 48
+    bytes per k-pair. The pair's 64 codes Q in kernel order (in each 16-byte lane j the pair's two codes of columns
+    4 j .. 4 j + 3, then of 16 + 4 j .. 16 + 4 j + 3, so that the AVX-512 kernel's byte unpack yields 16 columns in
+    order) are stored as 32 bytes of low nibbles (Q[t] and Q[32 + t] in byte t) and 16 bytes of high 2-bit pieces
+    (Q[16 s + t] >> 4 in bits 2 s, 2 s + 1 of byte t)."""
     n, k = codes.q.shape
     if k % BLOCK or codes.s.shape != (n, k // SCALE_K) or codes.s.dtype != torch.float32:
         raise ValueError(f"6-bit codes need K divisible by {BLOCK} and float32 scales [N, K/16], not K = {k} and "
@@ -71,8 +74,12 @@ def q6_pack(codes: Codes) -> Tensor:
     s = s.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(groups, blocks, -1)  # [G, B, 256]
     # column 16 u + 4 j + i, k 2 p + e -> byte 64 p + 16 j + 8 u + 2 i + e of the block's codes
     q = nn.functional.pad(codes.q, (0, 0, 0, pad)).view(groups, 2, 4, 4, blocks, BLOCK // 2, 2)  # [G, u, j, i, B, p, e]
-    q = q.permute(0, 4, 5, 2, 1, 3, 6).reshape(groups, blocks, -1)  # [G, B, p, j, u, i, e] -> [G, B, 1024]
-    return torch.cat([s, q], dim=-1).contiguous()
+    q = q.permute(0, 4, 5, 2, 1, 3, 6).reshape(groups, blocks, BLOCK // 2, 64)  # [G, B, p, j u i e] -> [G, B, p, 64]
+    low = q[..., :32] & 15 | (q[..., 32:] & 15) << 4  # [G, B, p, 32]
+    high = q.view(groups, blocks, BLOCK // 2, 4, 16) >> 4  # [G, B, p, s, 16]
+    high = high[..., 0, :] | high[..., 1, :] << 2 | high[..., 2, :] << 4 | high[..., 3, :] << 6  # [G, B, p, 16]
+    codes = torch.cat([low, high], dim=-1).view(groups, blocks, -1)  # [G, B, 16 x 48]
+    return torch.cat([s, codes], dim=-1).contiguous()
 
 
 class Q6Linear(PackedLinear):

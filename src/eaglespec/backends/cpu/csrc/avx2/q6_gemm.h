@@ -2,7 +2,8 @@
 // common/q6_gemm.h, common/shared.h).
 //
 // A group-block's codes are turned into floats q - 32 once, into L1 ([32 k][32 columns]: per k-pair and 8 columns,
-// the 16 code bytes split into even and odd k by a mask and a shift, widened and converted), and every row multiplies
+// the 16 code bytes rebuilt from their low nibbles and high 2-bit pieces (common/shared.h's layout), split into even
+// and odd k by a mask and a shift, widened and converted), and every row multiplies
 // from there: per 16 k and 8 columns, even and odd k in two FMA chains, S = S_even + S_odd, then acc = fma(s, S, acc).
 // The rows take these steps one after another, each the same whatever else is in the call (row-invariant).
 
@@ -24,17 +25,38 @@ inline void codes_to_floats(__m128i q16, int j, float* qk) {
   _mm_store_ps(qk + 16 + 4 * j, _mm256_extractf128_ps(q, 1));
 }
 
+// The 64 codes of the k-pair whose 48 bytes start at `pair` (common/shared.h's layout): q[0] = Q[0 .. 31],
+// q[1] = Q[32 .. 63] (the low nibbles in place or shifted down by 4, the high 2-bit pieces broadcast to both lanes and
+// shifted by 0 and 2, or 4 and 6, masked, moved up and merged).
+inline void pair_codes(const uint8_t* pair, __m256i* q) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), two_bits = _mm256_set1_epi8(0x03);
+  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+  const __m256i high = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + 32)));
+  const __m256i high0 = _mm256_srlv_epi64(high, _mm256_set_epi64x(2, 2, 0, 0));
+  const __m256i high1 = _mm256_srlv_epi64(high, _mm256_set_epi64x(6, 6, 4, 4));
+  q[0] = _mm256_or_si256(_mm256_and_si256(low, nibble), _mm256_slli_epi16(_mm256_and_si256(high0, two_bits), 4));
+  q[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low, 4), nibble),
+                         _mm256_slli_epi16(_mm256_and_si256(high1, two_bits), 4));
+}
+
 // One group-block's codes as floats q - 32 [32 k][32 columns] into qf (32-byte aligned): per k-pair and 16-byte
-// lane, the even bytes (k = 2 p) by a mask and the odd ones (k = 2 p + 1) by a shift.
+// lane j, the even bytes (k = 2 p) by a mask and the odd ones (k = 2 p + 1) by a shift.
 inline void block_floats(const uint8_t* codes, float* qf) {
-  const __m128i low8 = _mm_set1_epi16(0x00FF);
-  for (int p = 0; p < 16; ++p)
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 64 * p + 16 * j));
-      codes_to_floats(_mm_and_si128(bytes, low8), j, qf + (2 * p) * kCols);
-      codes_to_floats(_mm_srli_epi16(bytes, 8), j, qf + (2 * p + 1) * kCols);
+  const __m256i low8 = _mm256_set1_epi16(0x00FF);
+  for (int p = 0; p < 16; ++p) {
+    __m256i q[2];
+    pair_codes(codes + kPairBytes * p, q);
+    float* even_k = qf + (2 * p) * kCols;
+    float* odd_k = qf + (2 * p + 1) * kCols;
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      const __m256i even = _mm256_and_si256(q[half], low8), odd = _mm256_srli_epi16(q[half], 8);
+      codes_to_floats(_mm256_castsi256_si128(even), 2 * half, even_k);
+      codes_to_floats(_mm256_castsi256_si128(odd), 2 * half, odd_k);
+      codes_to_floats(_mm256_extracti128_si256(even, 1), 2 * half + 1, even_k);
+      codes_to_floats(_mm256_extracti128_si256(odd, 1), 2 * half + 1, odd_k);
     }
+  }
 }
 
 // Any number of rows times all 32 columns of a group -> acc [rows][kCols] (float32, overwritten).

@@ -1,13 +1,15 @@
 // The 6-bit code products' micro-kernels for CPUs with AVX-512 BF16 (the operator and its packed layout:
 // common/q6_gemm.h, common/shared.h).
 //
-// A k-pair's codes for the 32 columns of a group are 64 bytes, ordered so that one byte unpack against 0x43 (vpunpcklbw,
+// A k-pair's 64 codes for the 32 columns of a group are rebuilt as 64 bytes from their 48 (pair_codes: the low
+// nibbles broadcast to both halves and shifted by 0 or 4, the high 2-bit pieces broadcast to the four lanes and shifted
+// by 0, 2, 4, 6, masked, merged), ordered so that one byte unpack against 0x43 (vpunpcklbw,
 // vpunpckhbw) makes 16-bit words 0x43qq: the bfloat16 value 128 + q, exactly (bfloat16 holds the integers of
 // [128, 256) exactly, and their low 7 bits are the mantissa), in the two halves of each 32-bit lane for the pair's two
 // k, 16 columns a vector. vdpbf16ps multiplies them with the row's two bfloat16 inputs of the pair, broadcast: every
 // product exact. Per row, column and 16 k: S = the vdpbf16ps chain over the 8 k-pairs in order of k, which is
 // sum x (128 + q); then acc = fma(s, S - 160 X, acc), X the 16 inputs' sum (from the host code), since
-// q - 32 = (128 + q) - 160. The unpack costs one instruction per 32 weights, shared by the tile's up to kTileRows rows.
+// q - 32 = (128 + q) - 160. The rebuild and unpack are shared by the tile's up to kTileRows rows.
 // Every row goes through exactly these instructions whatever else is in the call (row-invariant).
 
 #pragma once
@@ -21,6 +23,19 @@ namespace avx512 {
 constexpr bool kBf16Rows = true;  // the rows come as the operator's bfloat16 inputs
 constexpr bool kNeedsSums = true;  // and their 16-k sums X
 constexpr int kTileRows = 8;
+constexpr int kWideRows = 5;  // tiles of this many rows or more rebuild a block's codes into L1 first (registers)
+
+// The 64 codes Q[t] of the k-pair whose 48 bytes start at `pair`, byte t of the vector (common/shared.h's layout).
+inline __m512i pair_codes(const uint8_t* pair) {
+  const __m512i low = _mm512_srlv_epi64(  // bytes 0-31: L's low nibbles, 32-63: its high ones (above: garbage)
+      _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair))),
+      _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0));
+  const __m512i high = _mm512_srlv_epi64(  // lane s: H >> 2 s, Q[16 s + t] >> 4 in the low 2 bits of byte t
+      _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + 32))),
+      _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0));
+  return _mm512_or_si512(_mm512_and_si512(low, _mm512_set1_epi8(0x0F)),
+                         _mm512_slli_epi16(_mm512_and_si512(high, _mm512_set1_epi8(0x03)), 4));
+}
 
 // R rows (R <= kTileRows) times the 32 columns of one group, every block -> acc [R][kCols] (float32, overwritten).
 // xsum [R][K/16]: each row's sums X of 16 inputs.
@@ -38,6 +53,10 @@ void tile_rows(const uint16_t* x, int64_t ldx, const float* xsum, int64_t blocks
     const uint8_t* codes = blk + kScaleBytes;
     const auto* scales = reinterpret_cast<const float*>(blk);
     const uint16_t* xb = x + b * kBlockK;
+    alignas(64) uint8_t rebuilt[kWideRows <= R ? 16 * 64 : 1];  // wide tiles: the block's 64-byte codes, rebuilt once
+    if constexpr (kWideRows <= R)
+#pragma GCC unroll 4
+      for (int p = 0; p < 16; ++p) _mm512_store_si512(rebuilt + 64 * p, pair_codes(codes + kPairBytes * p));
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // k 16 h .. 16 h + 15: one scale
       __m512 s[R][2];
@@ -45,7 +64,7 @@ void tile_rows(const uint16_t* x, int64_t ldx, const float* xsum, int64_t blocks
       for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
 #pragma GCC unroll 8
       for (int p = 8 * h; p < 8 * h + 8; ++p) {
-        const __m512i q = _mm512_loadu_si512(codes + 64 * p);
+        const __m512i q = kWideRows <= R ? _mm512_load_si512(rebuilt + 64 * p) : pair_codes(codes + kPairBytes * p);
         const __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(q, exponent);  // columns 0-15
         const __m512bh w1 = (__m512bh)_mm512_unpackhi_epi8(q, exponent);  // columns 16-31
 #pragma GCC unroll 8

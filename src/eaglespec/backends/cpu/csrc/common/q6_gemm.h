@@ -3,7 +3,7 @@
 // d float16 per 256 k, sc a signed byte per 16: exact in float32, 11 x 7 significant bits) and Q5_0 (s = d per 32, q
 // its 5 bits + 16), read from a GGUF file by eaglespec.backends.cpu.kquant, packed by q6.q6_pack as bytes.
 //
-// Why: such matrices were read as bfloat16 (16 bits a weight); the codes take 10 (a byte and a float32 scale per 16).
+// Why: such matrices were read as bfloat16 (16 bits a weight); the codes take 8 (6 bits and a float32 scale per 16).
 // Qwen2.5-Coder-1.5B's Q4_K_M file keeps half its ffn_down matrices in Q6_K (a fifth of a step's bytes in bfloat16),
 // and its 0.5B sibling most of its matrices in Q5_0.
 //
@@ -36,7 +36,7 @@ void check_packed(const at::Tensor& packed, int64_t n, int64_t k) {
               "columns, ", packed.size(1), " blocks of 32 k)");
 }
 
-// x [M, K] bfloat16, packed [ceil(n/32), K/32, 1280] uint8, bias [n] or none -> [M, n] bfloat16.
+// x [M, K] bfloat16, packed [ceil(n/32), K/32, 1024] uint8, bias [n] or none -> [M, n] bfloat16.
 at::Tensor q6_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
                      const std::optional<at::Tensor>& bias_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "q6_linear: x must be [M, K] bfloat16");
@@ -84,7 +84,7 @@ void unpack_block(const uint8_t* blk, float* wf) {
   const uint8_t* codes = blk + kScaleBytes;
   for (int64_t k = 0; k < kBlockK; ++k)
     for (int64_t c = 0; c < kCols; ++c) {
-      const float q = static_cast<float>(codes[code_index(k / 2, c, k % 2)]) - 32.0f;
+      const float q = static_cast<float>(code_at(codes + kPairBytes * (k / 2), code_index(c, k % 2))) - 32.0f;
       wf[k * kCols + c] = scales[kCols * (k / kScaleK) + c] * q;
     }
 }

@@ -207,21 +207,30 @@ struct SuperLayout {  // Q4_K: super-blocks of kSuperBlocks blocks under a heade
 namespace eaglespec::q6 {
 namespace {
 
-// The packed weight (q6_pack in eaglespec/backends/cpu/q6.py): [N/32 groups][K/32 blocks][1280 bytes]; a group-block
+// The packed weight (q6_pack in eaglespec/backends/cpu/q6.py): [N/32 groups][K/32 blocks][1024 bytes]; a group-block
 // holds the scales s of its 32 columns for k 0-15 of the block, then for k 16-31 (float32, 128 bytes each), then the
-// codes q (uint8 in [0, 63]; the weight is s (q - 32)), 64 bytes per k-pair p (1024 bytes): byte
-// 16 j + 8 u + 2 i + e of pair p holds q[16 u + 4 j + i][32 b + 2 p + e] (j, i in [0, 4), u, e in {0, 1}: each
-// 16-byte lane j has columns 4 j .. 4 j + 3, then 16 + 4 j .. 16 + 4 j + 3, each column's two k together).
+// codes q (6 bits in [0, 63]; the weight is s (q - 32)), 48 bytes per k-pair p (768 bytes).
+// A pair's 64 codes in kernel order, Q[t] for t = 16 j + 8 u + 2 i + e = q[16 u + 4 j + i][32 b + 2 p + e] (j, i in
+// [0, 4), u, e in {0, 1}: each 16-byte lane j has columns 4 j .. 4 j + 3, then 16 + 4 j .. 16 + 4 j + 3, each
+// column's two k together), are stored as their low 4 bits, 32 bytes L (Q[t] in the low nibble of L[t], Q[32 + t]
+// in its high nibble), then their high 2 bits, 16 bytes H (Q[16 s + t] >> 4 in bits 2 s, 2 s + 1 of H[t]): a
+// vector of 32 or 64 Q is two broadcast loads, shifts and masks away (code_at says it one code at a time).
 constexpr int64_t kCols = 32;        // output columns per group
 constexpr int64_t kBlockK = 32;      // k per block
 constexpr int64_t kScaleK = 16;      // k per scale
 constexpr int64_t kScaleBytes = 256;
-constexpr int64_t kCodeBytes = 1024;
+constexpr int64_t kPairBytes = 48;   // a k-pair's codes: L (32 bytes), then H (16)
+constexpr int64_t kCodeBytes = 16 * kPairBytes;
 constexpr int64_t kBlockBytes = kScaleBytes + kCodeBytes;
 
-// Where column c's code of k-pair p, k 2 p + e, lies among a group-block's codes.
-inline int64_t code_index(int64_t p, int64_t c, int64_t e) {
-  return 64 * p + 16 * (c % 16 / 4) + 8 * (c / 16) + 2 * (c % 4) + e;
+// Where column c's code of k-pair p, k 2 p + e, lies among the pair's 64 codes in kernel order.
+inline int64_t code_index(int64_t c, int64_t e) { return 16 * (c % 16 / 4) + 8 * (c / 16) + 2 * (c % 4) + e; }
+
+// Code Q[t] of the pair whose 48 bytes start at `pair`.
+inline int code_at(const uint8_t* pair, int64_t t) {
+  const int low = t < 32 ? pair[t] & 15 : pair[t - 32] >> 4;
+  const int high = (pair[32 + t % 16] >> (2 * (t / 16))) & 3;
+  return low | high << 4;
 }
 
 }  // namespace
