@@ -226,8 +226,10 @@ def test_qwen_coder_0_5b_loads_through_the_registry():
 
 @pytest.mark.real_model
 def test_qwen_coder_1_5b_reads_its_q4_k_matrices_from_the_gguf_and_decodes_exactly():
-    """The 1.5B's Q4_K layer matrices run as exact 4-bit blocks read from its GGUF file (84 of its 112 layer products
-    where the kernels run), and prompt lookup on them gives plain decoding's greedy tokens."""
+    """The 1.5B's Q4_K layer matrices run as exact 4-bit blocks read from its GGUF file (98 products where the
+    kernels run: 84 of its 112 layer products whole, and the q and k of the 14 q/k/v groups whose v is Q6_K), its
+    Q6_K ones as 6-bit codes (14 ffn_down and those 14 v), and prompt lookup on them gives plain decoding's greedy
+    tokens."""
     from eaglespec.api import Engine
     from eaglespec.backends.cpu import kernels, q4
 
@@ -241,7 +243,8 @@ def test_qwen_coder_1_5b_reads_its_q4_k_matrices_from_the_gguf_and_decodes_exact
     model, tokenizer = models.load_target("qwen2.5-coder-1.5b", dtype="bfloat16", one_copy=True)
     plain = Engine.from_model(model, tokenizer, method="vanilla", adapt=False)
     lookup = Engine.from_model(model, tokenizer, method="pld", adapt=False)
-    assert plain.target.q4_matrices == lookup.target.q4_matrices == 84
+    assert plain.target.q4_matrices == lookup.target.q4_matrices == 98
+    assert plain.target.q6_matrices == 28 and plain.target.kernel_stack is not None
     prompt = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number, then "
                                           "the same function with memoization."}]
     expected = plain.generate(prompt, max_new_tokens=48).tokens

@@ -257,11 +257,16 @@ def mixed_model(tmp_path_factory):
 def test_q6_k_and_q5_0_matrices_run_as_codes_and_decode_speculatively_to_plain_decodings_tokens(mixed_model):
     target = FastTarget(mixed_model, "final")
     first, second = target.layers
-    assert isinstance(first.qkv, bf16gemm.Bf16Linear)  # a Q6_K v beside Q4_K q and k: one bfloat16 product
+    # a Q6_K v beside Q4_K q and k: q and k as one 4-bit product, v as 6-bit codes, outputs side by side
+    assert isinstance(first.qkv, q4.SplitLinear) and [type(p) for p in first.qkv.parts] == [q4.Q4Linear, q6.Q6Linear]
+    attention = mixed_model.model.layers[0].self_attn
+    x = torch.randn(3, 256).bfloat16()
+    want = torch.cat([attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)], dim=-1)  # torch's bfloat16
+    torch.testing.assert_close(first.qkv(x).float(), want.float(), atol=0.02, rtol=0.02)
     assert isinstance(first.o, q4.Q4Linear) and isinstance(first.down, q6.Q6Linear)
     assert all(isinstance(m, q6.Q6Linear) for m in (second.qkv, second.o, second.gate_up))
     assert isinstance(second.down, q4.Q4Linear)
-    assert (target.q4_matrices, target.q6_matrices) == (3, 4)
+    assert (target.q4_matrices, target.q6_matrices) == (4, 5)
     plain = Engine.from_model(mixed_model, TinyTokenizer(), method="vanilla")
     spec = Engine.from_model(mixed_model, TinyTokenizer(), head=random_head(mixed_model, "eagle1").to(torch.bfloat16),
                              method="eagle2", tree=TreeSettings(total_tokens=8, depth=3, top_k=3))

@@ -5,6 +5,7 @@ one-token steps: test_tree_attention.py; batched rows against batch-1 steps and 
 test_batch.py), takes over `--compile`'s work on a target (nothing compiled, plain decoding's tokens), and rejects
 bad arguments with a clear error. Skipped where the kernels do not build."""
 
+import dataclasses
 import time
 
 import pytest
@@ -84,20 +85,25 @@ def blocks_near(weight: torch.Tensor) -> q4.Blocks:
 
 @pytest.mark.skipif(not (q4.available() and q6.available()), reason="the 4-bit and 6-bit products are off here")
 def test_the_stack_runs_4_bit_and_6_bit_products_as_the_layers_in_python_do(model, monkeypatch):
-    """Products of every kind in one stack (a GGUF target's mix: bfloat16 q/k/v, 4-bit blocks, 6-bit codes): the
-    stack's logits and features are the Python layers' over the same packed weights, and the greedy tokens equal."""
+    """Products of every kind in one stack (a GGUF target's mix: bfloat16 q/k/v, 4-bit blocks, 6-bit codes, a q/k/v
+    split into a 4-bit q and k and a 6-bit v): the stack's logits and features are the Python layers' over the same
+    packed weights, and the greedy tokens equal."""
     stacked, python = targets(model, monkeypatch)
+    attention = model.model.layers[0].self_attn  # layer 0's q and k as 4-bit blocks, its v as codes (q4.SplitLinear)
+    qkv = q4.SplitLinear([q4.Q4Linear(blocks_near(torch.cat([attention.q_proj.weight, attention.k_proj.weight])),
+                                      torch.cat([attention.q_proj.bias, attention.k_proj.bias])),
+                          q6.Q6Linear(codes_near(attention.v_proj.weight), attention.v_proj.bias)])
     mlps = [layer.mlp for layer in model.model.layers]
     down = [q6.Q6Linear(codes_near(mlp.down_proj.weight)) for mlp in mlps]  # [d, I]
     gate_up = [q4.Q4Linear(blocks_near(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))) for mlp in mlps]
-    for t in (stacked, python):
-        for i, layer in enumerate(t.layers):
-            layer.down = down[i]
-            if i % 2:
-                layer.gate_up = gate_up[i]  # [2 I, d]
+    for t in (stacked, python):  # (new layer records: targets of one model share theirs)
+        t.layers = [dataclasses.replace(layer, down=down[i], gate_up=gate_up[i] if i % 2 else layer.gate_up,
+                                        qkv=qkv if i == 0 else layer.qkv) for i, layer in enumerate(t.layers)]
     stacked.kernel_stack = KernelStack.of(stacked.layers, (stacked.n_heads, stacked.n_kv, stacked.head_dim),
                                           stacked.eps)
-    assert stacked.kernel_stack.kinds[3] == Q6_KIND and stacked.kernel_stack.kinds[6] == Q4_KIND
+    s = stacked.kernel_stack
+    assert s.parts[:5] == [2, 1, 1, 1, 1] and s.kinds[:2] == [Q4_KIND, Q6_KIND]
+    assert s.kinds[4] == Q6_KIND and s.kinds[7] == Q4_KIND  # layer 0's down, layer 1's gate/up
     outs = []
     for t in (stacked, python):
         t.reset()
@@ -162,7 +168,7 @@ def test_bad_arguments_are_a_clear_error(model, monkeypatch):
     with pytest.raises(RuntimeError, match="bfloat16"):
         s(x.float(), cos, sin, *caches, **good)
     with pytest.raises(RuntimeError, match="one cache per layer and sequence"):
-        torch.ops.eaglespec.decoder_stack(x, cos, sin, s.norms, s.packed, s.outs, s.kinds, s.biases,
+        torch.ops.eaglespec.decoder_stack(x, cos, sin, s.norms, s.packed, s.outs, s.kinds, s.biases, s.parts,
                                           stacked.layer_keys[:1], stacked.layer_values[:1], [0], [n], [None],
                                           *s.heads[:2], s.eps, [])
     with pytest.raises(RuntimeError, match="cos and sin"):
@@ -170,6 +176,10 @@ def test_bad_arguments_are_a_clear_error(model, monkeypatch):
     with pytest.raises(RuntimeError, match="sizes add up"):
         s(x, cos, sin, *caches, cached=[0], sizes=[n - 1], step_masks=[None])
     with pytest.raises(RuntimeError, match="two norms and four products"):
-        torch.ops.eaglespec.decoder_stack(x, cos, sin, s.norms[:1], s.packed, s.outs, s.kinds, s.biases,
+        torch.ops.eaglespec.decoder_stack(x, cos, sin, s.norms[:1], s.packed, s.outs, s.kinds, s.biases, s.parts,
                                           stacked.layer_keys, stacked.layer_values, [0], [n], [None], *s.heads[:2],
                                           s.eps, [])
+    with pytest.raises(RuntimeError, match="one packed weight, output size, kind and bias per part"):
+        torch.ops.eaglespec.decoder_stack(x, cos, sin, s.norms, s.packed, s.outs, s.kinds, s.biases,
+                                          [2] + s.parts[1:], stacked.layer_keys, stacked.layer_values, [0], [n],
+                                          [None], *s.heads[:2], s.eps, [])

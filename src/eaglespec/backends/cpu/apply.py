@@ -104,7 +104,13 @@ class TargetKernels:
         """A decoder layer's product: exact 4-bit blocks where the float32 checkpoint has that form (GGUF Q4_1) or the
         model's GGUF file holds the matrix as Q4_K, exact 6-bit codes where the file holds it as Q6_K or Q5_0 (on CPUs
         running the kernels; `parameters` are the model's weights stacked in `weight`), else the bfloat16 kernel, else
-        (compiled) a plain nn.Linear that inductor packs itself, else `linear`."""
+        (compiled) a plain nn.Linear that inductor packs itself, else `linear`. A fused group whose matrices the file
+        stores in several block types (a Q6_K v beside Q4_K q and k) becomes one product per run of one type
+        (`q4.SplitLinear`)."""
+        if self.q4_source is not None and len(parameters) > 1 and not self.q4_source.may_have(*parameters):
+            split = self._split_linear(weight, bias, parameters)
+            if split is not None:
+                return split
         if self.q4_source is not None and parameters and self.q4_source.may_have(*parameters):
             cache = self.pack_cache
             key = cache.key(parameters) if cache is not None else ""
@@ -130,6 +136,28 @@ class TargetKernels:
         if self.bf16_gemm:
             return kernels.Bf16Linear(weight, bias)
         return compiled.linear_module(weight, bias) if self.compiled else self.linear(weight, bias)
+
+    def _split_linear(self, weight: Tensor, bias: Tensor | None,
+                      parameters: tuple[Tensor, ...]) -> q4.SplitLinear | None:
+        """`layer_linear` of each longest run of `parameters` a block source may hold whole (weight [N, K] and bias
+        split by rows alike), or None where that leaves every run on the bfloat16 kernel."""
+        runs, start = [], 0
+        while start < len(parameters):
+            end = len(parameters)
+            while end > start + 1 and not self.q4_source.may_have(*parameters[start:end]):
+                end -= 1
+            runs.append(parameters[start:end])
+            start = end
+        if not any(self.q4_source.may_have(*run) for run in runs):
+            return None
+        parts, row = [], 0
+        for run in runs:
+            rows = slice(row, row + sum(p.shape[0] for p in run))
+            parts.append(self.layer_linear(weight[rows], None if bias is None else bias[rows], run))
+            row = rows.stop
+        if all(isinstance(part, kernels.Bf16Linear) for part in parts):
+            return None
+        return q4.SplitLinear(parts)
 
     def lm_head(self, head: nn.Module) -> tuple[Linear, kernels.GreedyHead | None]:
         """(the logits product, the greedy head or None): with the kernels, greedy steps find their token without

@@ -195,6 +195,21 @@ class PackedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+class SplitLinear(nn.Module):
+    """y = x W^T (+ b) with W's rows in runs, each run its own product (`parts`, in order), their outputs side by
+    side: a fused q/k/v whose matrices a GGUF file stores in two block types (Q4_K q and k, a Q6_K v). The decoder
+    stack runs the parts as one layer product (csrc/common/decoder_stack.h). x [..., K] -> [..., N] bfloat16."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
 class Q4Linear(PackedLinear):
     """y = x W^T (+ b) with W read as exact 4-bit blocks (`find_blocks`, `kquant`). x [..., K] -> [..., N]
     bfloat16."""

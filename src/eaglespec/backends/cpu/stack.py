@@ -22,6 +22,11 @@ Q4_KIND = 2  # a product's kind in the stack: 0 / 1 the bfloat16 kernel's loop (
 Q6_KIND = 3  # 3 the 6-bit codes
 
 
+def _parts(linear) -> tuple:
+    """A layer product's parts (q4.SplitLinear: its runs of rows, each its own product; else the product itself)."""
+    return tuple(linear.parts) if isinstance(linear, q4.SplitLinear) else (linear,)
+
+
 def _kind(linear) -> int | None:
     if isinstance(linear, q4.Q4Linear):
         return Q4_KIND
@@ -38,7 +43,9 @@ class KernelStack:
     def __init__(self, layers: list, heads: tuple[int, int, int], eps: float):
         self.heads, self.eps = heads, eps
         self.norms = [w.contiguous() for layer in layers for w in (layer.input_norm, layer.post_norm)]  # 2L x [d]
-        matrices = [m for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]  # 4L
+        products = [_parts(m) for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]  # 4L
+        self.parts = [len(p) for p in products]  # each product's parts, their outputs side by side
+        matrices = [m for p in products for m in p]  # sum(parts)
         self.packed = [m.packed for m in matrices]
         self.outs = [m.out_features for m in matrices]
         self.kinds = [_kind(m) for m in matrices]
@@ -51,7 +58,7 @@ class KernelStack:
         if not envs.stack_enabled() or not layers:
             return None
         for layer in layers:
-            linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            linears = [m for linear in (layer.qkv, layer.o, layer.gate_up, layer.down) for m in _parts(linear)]
             if any(_kind(m) is None for m in linears) or any(
                     w.dtype != torch.bfloat16 for w in (layer.input_norm, layer.post_norm)):
                 return None
@@ -70,6 +77,6 @@ class KernelStack:
         keys_t = [keys[s][layer] for layer in range(layers) for s in range(len(sizes))]  # [L S], layer-major
         values_t = [values[s][layer] for layer in range(layers) for s in range(len(sizes))]
         out = torch.ops.eaglespec.decoder_stack(x, cos, sin, self.norms, self.packed, self.outs, self.kinds,
-                                                self.biases, keys_t, values_t, cached, sizes, step_masks, H, Hkv,
-                                                self.eps, sorted(set(saved)))
+                                                self.biases, self.parts, keys_t, values_t, cached, sizes, step_masks,
+                                                H, Hkv, self.eps, sorted(set(saved)))
         return out[0], out[1:]

@@ -14,6 +14,8 @@
 
 #pragma once
 
+#include <ATen/ops/cat.h>
+
 #include "bf16_gemm.h"
 #include "q4_gemm.h"
 #include "q6_gemm.h"
@@ -154,24 +156,32 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 // x [N, d] bfloat16, the step's rows of `sizes.size()` sequences; cos, sin [N, hd] bfloat16 at their positions;
 // norms [2 L] (each layer's input and post-attention RMSNorm weights, [d] bfloat16); per layer kMatrices products
-// (packed, their outputs, kinds, biases: qkv, o, gate_up, down); keys_t, values [L S] (layer l, sequence s at
+// (qkv, o, gate_up, down), each made of parts[i] >= 1 products whose outputs lie side by side (a fused q/k/v whose
+// matrices the file stores in two block types: its q and k in one, its v in the other), the parts' packed weights,
+// outputs, kinds and biases one after another; keys_t, values [L S] (layer l, sequence s at
 // l S + s: its cache, as tree_attention_batch takes it), cached[s], sizes[s], step_masks[s] as there; `saved`: the
 // layers whose input to return too (EAGLE-3's features), ascending -> [x after the last layer, the saved inputs...].
 std::vector<at::Tensor> decoder_stack(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                                       at::TensorList norms, at::TensorList packed, at::IntArrayRef outs,
                                       at::IntArrayRef kinds, const c10::List<std::optional<at::Tensor>>& biases,
-                                      at::TensorList keys_t, at::TensorList values, at::IntArrayRef cached,
+                                      at::IntArrayRef parts, at::TensorList keys_t, at::TensorList values, at::IntArrayRef cached,
                                       at::IntArrayRef sizes, const c10::List<std::optional<at::Tensor>>& step_masks,
                                       int64_t heads, int64_t kv_heads, double eps, at::IntArrayRef saved) {
   const int64_t layers = static_cast<int64_t>(norms.size()) / 2, seqs = static_cast<int64_t>(sizes.size());
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "decoder_stack: x must be [N, d] bfloat16");
   const int64_t n = x_in.size(0), d = x_in.size(1);
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(norms.size()) == 2 * layers &&
-                  static_cast<int64_t>(packed.size()) == kMatrices * layers &&
-                  static_cast<int64_t>(outs.size()) == kMatrices * layers &&
-                  static_cast<int64_t>(kinds.size()) == kMatrices * layers &&
-                  static_cast<int64_t>(biases.size()) == kMatrices * layers,
+                  static_cast<int64_t>(parts.size()) == kMatrices * layers,
               "decoder_stack: two norms and four products per layer");
+  std::vector<int64_t> first(kMatrices * layers + 1, 0);  // product i's parts: first[i] .. first[i + 1] - 1
+  for (int64_t i = 0; i < kMatrices * layers; ++i) {
+    TORCH_CHECK(parts[i] >= 1, "decoder_stack: a product has at least one part");
+    first[i + 1] = first[i] + parts[i];
+  }
+  const int64_t total = first.back();
+  TORCH_CHECK(static_cast<int64_t>(packed.size()) == total && static_cast<int64_t>(outs.size()) == total &&
+                  static_cast<int64_t>(kinds.size()) == total && static_cast<int64_t>(biases.size()) == total,
+              "decoder_stack: one packed weight, output size, kind and bias per part");
   TORCH_CHECK(seqs > 0 && static_cast<int64_t>(keys_t.size()) == layers * seqs &&
                   static_cast<int64_t>(values.size()) == layers * seqs,
               "decoder_stack: one cache per layer and sequence");
@@ -180,13 +190,17 @@ std::vector<at::Tensor> decoder_stack(const at::Tensor& x_in, const at::Tensor& 
   TORCH_CHECK(cos_in.dim() == 2 && sin_in.dim() == 2 && cos_in.size(0) == n && sin_in.sizes() == cos_in.sizes() &&
                   cos_in.scalar_type() == at::kBFloat16 && sin_in.scalar_type() == at::kBFloat16 && hd % 2 == 0,
               "decoder_stack: cos and sin must be [N, head_dim] bfloat16");
-  TORCH_CHECK(outs[0] == (heads + 2 * kv_heads) * hd, "decoder_stack: the qkv product has ", outs[0],
-              " outputs, not (heads + 2 kv_heads) head_dim");
+  for (int64_t l = 0; l < layers; ++l) {
+    int64_t width = 0;
+    for (int64_t j = first[kMatrices * l]; j < first[kMatrices * l + 1]; ++j) width += outs[j];
+    TORCH_CHECK(width == (heads + 2 * kv_heads) * hd, "decoder_stack: layer ", l, "'s qkv product has ", width,
+                " outputs, not (heads + 2 kv_heads) head_dim");
+  }
   for (int64_t i = 0; i < 2 * layers; ++i)
     TORCH_CHECK(norms[i].dim() == 1 && norms[i].size(0) == d && norms[i].scalar_type() == at::kBFloat16 &&
                     norms[i].is_contiguous(),
                 "decoder_stack: norm weights must be [", d, "] bfloat16");
-  for (int64_t i = 0; i < kMatrices * layers; ++i)
+  for (int64_t i = 0; i < total; ++i)
     TORCH_CHECK(kinds[i] >= 0 && kinds[i] <= kQ6,
                 "decoder_stack: a product's kind is 0, 1 (bfloat16), 2 (4-bit) or 3 (6-bit codes)");
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
@@ -200,9 +214,13 @@ std::vector<at::Tensor> decoder_stack(const at::Tensor& x_in, const at::Tensor& 
       result.push_back(x.clone());
       ++next_saved;
     }
-    const int64_t m = kMatrices * l;
-    auto run = [&](const at::Tensor& input, int64_t i) {
-      return product(input, packed[m + i], outs[m + i], biases.get(m + i), kinds[m + i]);
+    auto run = [&](const at::Tensor& input, int64_t i) {  // the layer's product i, its parts' outputs side by side
+      const int64_t begin = first[kMatrices * l + i], end = first[kMatrices * l + i + 1];
+      if (end - begin == 1) return product(input, packed[begin], outs[begin], biases.get(begin), kinds[begin]);
+      std::vector<at::Tensor> pieces;
+      for (int64_t j = begin; j < end; ++j)
+        pieces.push_back(product(input, packed[j], outs[j], biases.get(j), kinds[j]));
+      return at::cat(pieces, 1);
     };
     const at::Tensor qkv = run(rms_norm(x, norms[2 * l], epsilon), 0);
     at::Tensor q, k, v;

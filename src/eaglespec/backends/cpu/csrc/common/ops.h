@@ -36,7 +36,7 @@ TORCH_LIBRARY(eaglespec, m) {
   m.def("q6_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("q6_unpack(Tensor packed, int n, int k) -> Tensor");
   m.def("decoder_stack(Tensor x, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] packed, int[] outs, int[] kinds, "
-        "Tensor?[] biases, Tensor(a!)[] keys_t, Tensor(b!)[] values, int[] cached, int[] sizes, Tensor?[] step_masks, "
+        "Tensor?[] biases, int[] parts, Tensor(a!)[] keys_t, Tensor(b!)[] values, int[] cached, int[] sizes, Tensor?[] step_masks, "
         "int heads, int kv_heads, float eps, int[] saved) -> Tensor[]");
 }
 
