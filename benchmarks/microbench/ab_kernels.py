@@ -106,3 +106,35 @@ def build(rev: str | None, namespace: str, isa: Isa):
     load(namespace, [str(home / "csrc" / isa.name / "kernels.cpp")], extra_cflags=list(isa.flags),
          extra_ldflags=["-fopenmp"], build_directory=str(home / "build"), is_python_module=False, verbose=False)
     return getattr(torch.ops, namespace), what
+
+
+def operator_pair(against: str, op: str, isa: Isa) -> dict:
+    """{"this": the working tree's operator `op`, against: revision `against`'s}, each from its own build (`build`);
+    exits with a message where a build lacks the operator."""
+    ops = {}
+    for name, rev, namespace in (("this", None, "eaglespec_ab_new"), (against, against, "eaglespec_ab_old")):
+        library, what = build(rev, namespace, isa)
+        if not hasattr(library, op):
+            raise SystemExit(f"{what}: no {op} operator")
+        ops[name] = getattr(library, op)
+        print(f"{'this' if rev is None else 'against'}: {what}")
+    return ops
+
+
+def time_alternating(ops: dict, calls, rows: list[int], repeats: int) -> None:
+    """For each number of rows, `calls(name, op, rows)` (one round: every product of a step through that build) timed
+    `repeats` times per build, the builds alternating round by round after two warm-up rounds; prints the medians in
+    milliseconds."""
+    import statistics
+    import time
+
+    names = list(ops)
+    for count in rows:
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for round_ in range(repeats + 2):  # the first two rounds warm up
+            for name in names if round_ % 2 else names[::-1]:
+                start = time.perf_counter()
+                calls(name, ops[name], count)
+                if round_ >= 2:
+                    times[name].append((time.perf_counter() - start) * 1e3)
+        print(f"rows {count}: " + ", ".join(f"{name} {statistics.median(t):.2f}" for name, t in times.items()))

@@ -17,11 +17,9 @@ milliseconds of a step's layer products (the LM head is not included) for each b
 """
 
 import argparse
-import statistics
-import time
 
 import torch
-from ab_kernels import build
+from ab_kernels import operator_pair, time_alternating
 
 from eaglespec.backends.cpu import kernels, q4
 
@@ -38,13 +36,7 @@ if not q4.available():
     raise SystemExit("the 4-bit block product needs a CPU with AVX2 + FMA + F16C (or AVX-512), and EAGLESPEC_Q4 not 0")
 ISA = kernels.isa()
 
-ops = {}
-for name, rev, namespace in (("this", None, "eaglespec_ab_new"), (args.against, args.against, "eaglespec_ab_old")):
-    library, what = build(rev, namespace, ISA)
-    if not hasattr(library, "q4_linear"):
-        raise SystemExit(f"{what}: no q4_linear operator")
-    ops[name] = library.q4_linear
-    print(f"{'this' if rev is None else 'against'}: {what}")
+ops = operator_pair(args.against, "q4_linear", ISA)
 
 
 def random_blocks(n: int, k: int, generator: torch.Generator) -> q4.Blocks:
@@ -79,16 +71,13 @@ for index in (0, 2, 3):  # fused QKV, gate/up, down of layer 0
         invariant = all(torch.equal(op(x[:m], packed, n, None), y[:m]) for m in range(1, 10))
         print(f"matrix {index} {name}: max relative error {error:.2e}, row-invariant {invariant}")
 
-names = list(ops)
 print(f"{len(layers)} products ({'random 4-bit blocks' if args.random else 'SmolLM2-135M'}), {ISA.name} build, "
       f"{args.threads} threads, medians of {args.repeats} interleaved rounds (ms)")
-for rows in (int(r) for r in args.rows.split(",")):
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(args.repeats + 2):  # the first two rounds warm up
-        for name in names if round_ % 2 else names[::-1]:
-            start = time.perf_counter()
-            for packed, n, k in layers:
-                ops[name](inputs[k][:rows], packed, n, None)
-            if round_ >= 2:
-                times[name].append((time.perf_counter() - start) * 1e3)
-    print(f"rows {rows}: " + ", ".join(f"{name} {statistics.median(t):.2f}" for name, t in times.items()))
+
+
+def step(name, op, rows: int) -> None:
+    for packed, n, k in layers:
+        op(inputs[k][:rows], packed, n, None)
+
+
+time_alternating(ops, step, [int(r) for r in args.rows.split(",")], args.repeats)

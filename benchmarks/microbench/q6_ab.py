@@ -12,11 +12,9 @@ both builds multiply the same weights. Prints the median milliseconds of the ste
 """
 
 import argparse
-import statistics
-import time
 
 import torch
-from ab_kernels import build
+from ab_kernels import operator_pair, time_alternating
 
 from eaglespec.backends.cpu import kernels, q6
 
@@ -32,13 +30,7 @@ if not q6.available():
     raise SystemExit("the 6-bit code product needs a CPU with AVX2 + FMA + F16C (or AVX-512), and EAGLESPEC_Q4 not 0")
 ISA = kernels.isa()
 
-ops = {}
-for name, rev, namespace in (("this", None, "eaglespec_ab_new"), (args.against, args.against, "eaglespec_ab_old")):
-    library, what = build(rev, namespace, ISA)
-    if not hasattr(library, "q6_linear"):
-        raise SystemExit(f"{what}: no q6_linear operator")
-    ops[name] = library.q6_linear
-    print(f"{'this' if rev is None else 'against'}: {what}")
+ops = operator_pair(args.against, "q6_linear", ISA)
 
 
 def random_codes(n: int, k: int, generator: torch.Generator) -> q6.Codes:
@@ -75,16 +67,13 @@ for name, y in outs.items():
     print(f"{name}: max relative error {error:.2e}")
 print(f"the two builds' outputs are equal bit for bit: {torch.equal(*outs.values())}")
 
-names = list(ops)
 print(f"{args.matrices} products of {n} x {k} (random Q6_K codes), {ISA.name} build, {args.threads} threads, medians "
       f"of {args.repeats} interleaved rounds (ms)")
-for rows in (int(r) for r in args.rows.split(",")):
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(args.repeats + 2):  # the first two rounds warm up
-        for name in names if round_ % 2 else names[::-1]:
-            start = time.perf_counter()
-            for weight in packed[name]:
-                ops[name](inputs[:rows], weight, n, None)
-            if round_ >= 2:
-                times[name].append((time.perf_counter() - start) * 1e3)
-    print(f"rows {rows}: " + ", ".join(f"{name} {statistics.median(t):.2f}" for name, t in times.items()))
+
+
+def step(name, op, rows: int) -> None:
+    for weight in packed[name]:
+        op(inputs[:rows], weight, n, None)
+
+
+time_alternating(ops, step, [int(r) for r in args.rows.split(",")], args.repeats)
