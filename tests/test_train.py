@@ -11,10 +11,12 @@ import pytest
 import torch
 from conftest import make_model
 
+from eaglespec.backends.cpu import kernels as bf16gemm
 from eaglespec.errors import CheckpointError, EagleSpecError
 from eaglespec.heads import build_head, load_head, read_draft_vocab, save_head
 from eaglespec.heads.config import HeadConfig
 from eaglespec.heads.layer import KVCache
+from eaglespec.targets.fast import FastTarget, make_target
 from eaglespec.targets.hf import TargetModel
 from eaglespec.train.data import (
     encode_conversation,
@@ -24,7 +26,12 @@ from eaglespec.train.data import (
     transformers_generator,
 )
 from eaglespec.train.export import export_head
-from eaglespec.train.features import CachedFeatures, OnlineFeatures, open_feature_stores, pad_examples
+from eaglespec.train.features import (
+    CachedFeatures,
+    OnlineFeatures,
+    open_feature_stores,
+    pad_examples,
+)
 from eaglespec.train.trainer import TrainConfig, Trainer, lr_lambda
 from eaglespec.train.vocab import select_draft_vocab, token_counts
 
@@ -364,6 +371,63 @@ def test_bfloat16_features_are_computed_under_autocast_and_cached_apart(tmp_path
     assert '"computed_in": "torch.bfloat16"' in (store.folder / "meta.json").read_text()
     with pytest.raises(EagleSpecError, match="--feature-dtype"):
         Trainer(config(tmp_path, data_file, feature_dtype="float16"), target_model, tok, progress=False)
+
+
+@pytest.mark.skipif(not bf16gemm.available(torch.bfloat16, "cpu"),
+                    reason="the fast path's row-invariant kernels need AVX-512 BF16 or AVX2 + FMA and a C++ compiler")
+def test_fast_path_features_are_the_rows_decoding_reads(tmp_path, data_file, target_model, tok, capsys):
+    """--feature-path fast: a training sequence's features and last rows are bit for bit those decoding computes
+    (a prompt, then one-token steps: what a draft head reads), across the 512-row pieces too; the target's own cache
+    is untouched; the trainer computes them from a bfloat16 copy into a store of their own and trains on them."""
+    model = make_model("llama", seed=3, vocab=48, layers=3, max_position_embeddings=1100).to(torch.bfloat16)
+    fast = make_target(model, feature_kind="eagle3", backend="fast")
+    assert fast.kernel_stack is not None or fast.tree_kernel
+    ids = torch.randint(0, 48, (2, 600), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones(2, 600, dtype=torch.long)
+    attn[1, 530:] = 0
+    fast.reset()
+    fast.forward(ids[0, :5])
+    fast.commit()
+    cache = fast.values[:, :, :5].clone()
+    last, feats = fast.features_for_batch(ids, attn)
+    assert fast.cache_len == 5 and torch.equal(fast.values[:, :, :5], cache)
+    assert feats.shape == (2, 600, 3 * 64) and last.shape == (2, 600, 64) and feats.dtype == torch.bfloat16
+    assert not feats[1, 530:].any() and not last[1, 530:].any() and feats[1, :530].abs().sum() > 0
+    fast.reset()
+    prompt = fast.forward(ids[0, :7])  # decoding: the prompt, then one token a step
+    fast.commit()
+    rows = [(prompt.last, prompt.features)]
+    for i in range(7, 24):
+        out = fast.forward(ids[0, i : i + 1])
+        fast.commit()
+        rows.append((out.last, out.features))
+    assert torch.equal(torch.cat([r[0] for r in rows]), last[0, :24])
+    assert torch.equal(torch.cat([r[1] for r in rows]), feats[0, :24])
+    fast.reset()
+    whole = fast.forward(ids[0])  # 600 rows: read in pieces as a long prompt is
+    fast.commit()
+    assert torch.equal(whole.features, feats[0]) and torch.equal(whole.last, last[0])
+    with pytest.raises(EagleSpecError, match="compute dtype"):
+        fast.features_for_batch(ids, attn, torch.float32)
+
+    root = tmp_path / "cache"
+    trainer = Trainer(config(tmp_path, data_file, kind="eagle3", cache_features=str(root), feature_path="fast",
+                             max_steps=2), target_model, tok, progress=False)
+    assert isinstance(trainer.feature_target, FastTarget) and trainer.feature_target.dtype == torch.bfloat16
+    assert next(target_model.parameters()).dtype == torch.float32  # (a copy: the labels' model stays float32)
+    store = trainer.train_source.refs[0][0]
+    ex = store.examples[0]
+    want_last, want = trainer.feature_target.features_for_batch(ex.input_ids[None])
+    assert torch.equal(store.rows(0)[1], want[0]) and torch.equal(store.rows(0)[0], want_last[0])
+    [model_store] = open_feature_stores(trainer.target, [store.examples], root, "tiny", progress=False)
+    assert model_store.folder != store.folder  # the model's features are another store
+    trainer.train()
+    assert (tmp_path / "run-eagle3" / "head" / "config.json").is_file()
+    with pytest.raises(EagleSpecError, match="--feature-dtype applies"):
+        Trainer(config(tmp_path, data_file, feature_path="fast", feature_dtype="bfloat16"), target_model, tok,
+                progress=False)
+    with pytest.raises(EagleSpecError, match="--feature-path"):
+        Trainer(config(tmp_path, data_file, feature_path="gpu"), target_model, tok, progress=False)
 
 
 def test_feature_cache_keeps_one_store_per_file_and_reuses_it(tmp_path, target_model, tok, capsys):

@@ -47,6 +47,9 @@ def register(subparsers, model_options, sampling_options) -> None:
     g.add_argument("--head3", default="auto", help="EAGLE-3 head folder for the eagle3 method ('auto' = shipped)")
     g.add_argument("--out", default=None, help="output folder (default bench-DATASET-TIME)")
     g.add_argument("--force", action="store_true", help="overwrite an existing results.jsonl in --out")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the interrupted run in --out (same command): prompts with every method recorded "
+                        "are kept, the rest run; for runs of hours that may stop")
     g.add_argument("--reference", default=None, metavar="DIR",
                    help="take vanilla's answers and timings from an earlier bench folder with the same prompts and "
                         "target settings instead of running vanilla again (equality is still checked; speedups then "
@@ -161,8 +164,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     sweep = parse_sweep(args.sweep)
     questions = select(load_questions(args.dataset), args.categories, args.limit, args.per_category, args.turns)
     out = Path(args.out) if args.out else Path(f"bench-{Path(args.dataset).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if (out / RESULTS).exists() and not args.force:
-        raise EagleSpecError(f"'{out / RESULTS}' exists: pick another --out or pass --force")
+    if args.resume and (args.force or not args.out):
+        raise EagleSpecError("--resume continues the run in --out: name it with --out, and drop --force")
+    if (out / RESULTS).exists() and not (args.force or args.resume):
+        raise EagleSpecError(f"'{out / RESULTS}' exists: pick another --out, pass --resume to continue it or --force "
+                             "to overwrite it")
     if args.threads:
         torch.set_num_threads(args.threads)
     tree = tree_from_args(args)
@@ -234,7 +240,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if "tree" in m.settings:
             print(f"bench: {m.name} tree {m.settings['tree']}", file=sys.stderr)
     run_benchmark(methods, questions, encode, decode, config, out, progress=not args.no_progress,
-                  command=["eaglespec"] + sys.argv[1:], reference=args.reference)
+                  command=["eaglespec"] + sys.argv[1:], reference=args.reference, resume=args.resume)
     for path in write_report(out):
         print(path)
     return 0

@@ -3,6 +3,10 @@
 Order: for each question, for each turn, every method in turn (vanilla first), `repeats` timed runs each. Each
 method gets one untimed warm-up generation first. Turn 2 and later carry the model's own earlier answers in
 the chat history: vanilla's answer, so that every method sees the very same prompt tokens.
+
+A run of hours can stop and go on (`resume`): the prompts all of whose methods are recorded are kept, any other
+rows are dropped, and the rest run, so that a prompt's methods are always timed side by side in one process.
+`run.json` lists the segments (when each started, on what machine).
 """
 
 from __future__ import annotations
@@ -86,13 +90,46 @@ def load_reference(folder: str | Path, config: BenchConfig) -> dict[tuple, dict]
     return {(r["question_id"], r["turn"]): r for r in rows if r.get("method") == "vanilla"}
 
 
+# What an interrupted run and the run that resumes it must share (run.json keys).
+RESUME_KEYS = ("dataset", "questions", "prompts", "max_new_tokens", "sampling", "repeats", "system", "settings",
+               "methods", "reference")
+
+
+def _resumable(out_dir: Path, info: dict, methods: list[BenchMethod]) -> tuple[list[dict], list[dict]]:
+    """For `resume`: the earlier segments of the run in `out_dir` and the rows of its complete prompts (every
+    method recorded), after checking that it is the same run as `info` describes."""
+    try:
+        before = json.loads((out_dir / RUN_INFO).read_text())
+        lines = (out_dir / RESULTS).read_text(encoding="utf-8").splitlines()
+    except (OSError, json.JSONDecodeError) as exc:
+        raise EagleSpecError(f"--resume: '{out_dir}' holds no bench run to continue ({exc}); drop --resume") from exc
+    differ = [k for k in RESUME_KEYS if before.get(k) != json.loads(json.dumps(info[k]))]  # (as run.json holds it)
+    if differ:
+        raise EagleSpecError(f"--resume: the run in '{out_dir}' was started with other settings ({', '.join(differ)});"
+                             " resume it with its own command (run.json) or pick another --out")
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # (a line cut off when the run was stopped)
+            continue
+    names = {m.name for m in methods}
+    recorded: dict[tuple, set[str]] = {}
+    for r in rows:
+        recorded.setdefault((r["question_id"], r["turn"]), set()).add(r["method"])
+    complete = {key for key, got in recorded.items() if got >= names}
+    segments = before.get("segments") or [{k: before.get(k) for k in ("started", "command", "machine")}]
+    return segments, [r for r in rows if (r["question_id"], r["turn"]) in complete]
+
+
 def run_benchmark(methods: list[BenchMethod], questions: list[Question], encode: Encoder, decode: Decoder,
                   config: BenchConfig, out_dir: str | Path, progress: bool = True,
-                  command: list[str] | None = None, reference: str | Path | None = None) -> Path:
+                  command: list[str] | None = None, reference: str | Path | None = None,
+                  resume: bool = False) -> Path:
     """Run and record the benchmark; returns the results file. `methods[0]` must be vanilla. With `reference`
     (an earlier bench folder with the same prompts and target settings), vanilla's rows are taken from there
     instead of being run again: its answers still check every other method, but speedups then compare runs
-    made at different times."""
+    made at different times. `resume`: continue the run already in `out_dir` (module docstring)."""
     if not methods or methods[0].name != "vanilla":
         raise EagleSpecError("the benchmark needs vanilla as its first method (the speedup denominator)")
     if config.repeats < 1 or config.warmup < 0:
@@ -129,22 +166,40 @@ def run_benchmark(methods: list[BenchMethod], questions: list[Question], encode:
         "machine": describe_machine(),
         "reference": None if reference is None else str(reference),
     }
-    (out_dir / RUN_INFO).write_text(json.dumps(info, indent=2) + "\n")
     results = out_dir / RESULTS
+    kept: dict[tuple, list[dict]] = {}  # (question_id, turn) -> the rows of a prompt an earlier segment completed
+    segment = {"started": info["started"], "command": info["command"], "machine": info["machine"]}
+    if resume:
+        segments, rows = _resumable(out_dir, info, methods)
+        info["segments"] = segments + [segment]
+        info["started"] = segments[0]["started"]
+        for r in rows:
+            kept.setdefault((r["question_id"], r["turn"]), []).append(r)
+        tmp = results.with_suffix(".tmp")  # the complete prompts' rows only, then the rest appended
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        tmp.replace(results)
+    else:
+        info["segments"] = [segment]
+    (out_dir / RUN_INFO).write_text(json.dumps(info, indent=2) + "\n")
     run_methods = methods if stored is None else methods[1:]
-    total = len(run_methods) * (config.warmup + config.repeats * info["prompts"])
+    todo = info["prompts"] - len(kept)
+    total = len(run_methods) * ((config.warmup if todo else 0) + config.repeats * todo)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not progress, dynamic_ncols=True)
     try:
         warm_ids = encode(_messages(questions[0], 1, [], config.system))
-        for m in run_methods:
+        for m in run_methods if todo else []:
             for _ in range(config.warmup):
                 bar.set_postfix_str(f"warm-up {m.name}")
                 m.generate(warm_ids, min(WARMUP_TOKENS, config.max_new_tokens), config.sampling)
                 bar.update()
-        with results.open("w", encoding="utf-8") as f:
+        with results.open("a" if resume else "w", encoding="utf-8") as f:
             for qi, q in enumerate(questions):
                 answers: list[str] = []
                 for turn in range(1, len(q.turns) + 1):
+                    done = kept.get((q.question_id, turn))
+                    if done is not None:  # timed in an earlier segment: its vanilla answer carries the chat on
+                        answers.append(decode(next(r for r in done if r["method"] == methods[0].name)["tokens"]))
+                        continue
                     ids = encode(_messages(q, turn, answers, config.system))
                     seed = None if config.sampling.seed is None else config.sampling.seed + 1000 * qi + turn
                     reference_tokens, base_speed = None, None

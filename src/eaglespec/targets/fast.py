@@ -397,9 +397,41 @@ class FastTarget(TargetModel):
 
         last = rms_norm(x, self.final_norm, self.eps)  # [n, d]
         rows = last if logits_rows is None else last[logits_rows]
-        logits, best = self.heads(rows, greedy)
+        logits, best = self.heads(rows, greedy) if rows.shape[0] else (None, None)
         return TargetOutput(logits=logits, features=self.features_of(last, saved), greedy_tokens=best,
-                            argmax_rows=self.kernels.argmax_rows)
+                            argmax_rows=self.kernels.argmax_rows, last=last)
+
+    @torch.inference_mode()
+    def features_for_batch(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                           compute_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """`TargetModel.features_for_batch` through this fast path (`eaglespec train head --feature-path fast`): each
+        sequence is read as a prompt, in pieces of MAX_STEP_ROWS rows, on a sibling's own KV cache (this target's
+        cache is untouched), so its rows are bit for bit those a draft head reads when drafting from this target.
+        No logits are computed. Returns (last [B, T, d], features [B, T, F]) in the target's dtype; padding rows
+        are zero."""
+        if compute_dtype not in (None, self.dtype):
+            raise EagleSpecError(f"the fast path computes features in {self.dtype}, as it decodes; it takes no "
+                                 f"compute dtype ({compute_dtype})")
+        b, t = input_ids.shape
+        if t > self.max_context:
+            raise EagleSpecError(f"training sequence of {t} tokens exceeds the context of {self.max_context}")
+        lengths = [t] * b if attention_mask is None else attention_mask.sum(1).tolist()
+        reader = self.sibling(initial_capacity=max(1, t))
+        last = torch.zeros(b, t, self.hidden_size, dtype=self.dtype)
+        features = None
+        for row, n in enumerate(lengths):
+            reader.reset()
+            for start in range(0, int(n), MAX_STEP_ROWS):
+                end = min(int(n), start + MAX_STEP_ROWS)
+                out = reader.forward(input_ids[row, start:end], logits_rows=slice(0, 0))  # features, no logits
+                reader.commit()
+                if features is None:
+                    features = torch.zeros(b, t, out.features.shape[-1], dtype=self.dtype)
+                last[row, start:end] = out.last.cpu()
+                features[row, start:end] = out.features.cpu()
+        if features is None:  # (every sequence empty)
+            features = last if self.feature_kind == "final" else torch.zeros(b, t, self.feature_size, dtype=self.dtype)
+        return last, features
 
     def heads(self, rows: Tensor, greedy: bool) -> tuple[Tensor | None, Tensor | None]:
         """The LM heads of a step's final rows [R, d]: (logits [R, vocab] or None, greedy tokens [R] or None). A

@@ -27,7 +27,7 @@ class TargetOutput:
     """A forward's next-token logits at every input position and the features a draft head reads."""
 
     def __init__(self, logits: Tensor | None, features: Tensor | None, greedy_tokens: Tensor | None = None,
-                 argmax_rows: Callable[[Tensor], Tensor] | None = None):
+                 argmax_rows: Callable[[Tensor], Tensor] | None = None, last: Tensor | None = None):
         self.head_logits = logits  # [n, vocab] as the LM head gave them (bfloat16 for a bfloat16 model)
         self.features = features  # [n, F]: "final": post-norm last hidden (F=d); "eagle3": 3 layers fused (F=3d)
         # [n] int64: the greedy token of each row, where a `forward(..., greedy=True)` computed it instead of the
@@ -35,6 +35,7 @@ class TargetOutput:
         self.greedy_tokens = greedy_tokens
         # [n, vocab] -> [n]: torch.argmax(-1)'s answer (first index of the maximum), the target's fastest way
         self.argmax_rows = argmax_rows or _argmax_rows
+        self.last = last  # [n, d]: the post-norm last hidden rows (the LM head's input), where the target keeps them
         self._logits: Tensor | None = None
 
     @property
@@ -59,13 +60,14 @@ class TargetOutput:
         """One output for an input read as consecutive pieces (`pieces`: their forwards' outputs, in order): the
         features of every row, and the logits or greedy tokens of every row (`heads="all"`) or of the last
         piece's rows only (`heads="last"`: earlier pieces may have computed none)."""
-        last = pieces[-1]
-        features = None if last.features is None else torch.cat([p.features for p in pieces])  # [sum n, F]
+        end = pieces[-1]
+        features = None if end.features is None else torch.cat([p.features for p in pieces])  # [sum n, F]
+        last = None if any(p.last is None for p in pieces) else torch.cat([p.last for p in pieces])  # [sum n, d]
         if heads == "last":
-            return cls(last.head_logits, features, last.greedy_tokens, last.argmax_rows)
-        logits = None if last.head_logits is None else torch.cat([p.head_logits for p in pieces])
-        best = None if last.greedy_tokens is None else torch.cat([p.greedy_tokens for p in pieces])
-        return cls(logits, features, best, last.argmax_rows)
+            return cls(end.head_logits, features, end.greedy_tokens, end.argmax_rows, last)
+        logits = None if end.head_logits is None else torch.cat([p.head_logits for p in pieces])
+        best = None if end.greedy_tokens is None else torch.cat([p.greedy_tokens for p in pieces])
+        return cls(logits, features, best, end.argmax_rows, last)
 
 
 class TargetModel:

@@ -135,12 +135,16 @@ def cmd_head(args: argparse.Namespace) -> int:
         noise=args.noise, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps, eval_steps=args.eval_steps,
         eval_size=args.eval_size, eval_every=args.eval_every, save_every=args.save_every, log_every=args.log_every,
         seed=args.seed, cache_features=args.cache_features, feature_dtype=args.feature_dtype,
+        feature_path=args.feature_path,
         save_dtype=args.save_dtype,
         mixed_precision=args.mixed_precision, time_budget_min=args.time_budget, ce_vocab=args.ce_vocab,
         init_head=args.init_head, reselect_vocab=args.reselect_vocab, intermediate_size=args.intermediate_size,
     )
     model, tokenizer = load_target(args.model, dtype="float32")
-    trainer = Trainer(config, model, tokenizer)
+    feature_model = None
+    if args.feature_path == "fast":  # the model as decoding loads it, for the fast path's features
+        feature_model, _ = load_target(args.model, dtype="bfloat16", one_copy=True)
+    trainer = Trainer(config, model, tokenizer, feature_model=feature_model)
     if args.resume:
         trainer.resume(None if args.resume == "latest" else Path(args.resume))
     trainer.train()
@@ -166,13 +170,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise EagleSpecError(f"--steps must be at least 1, got {args.steps}")
     model, tokenizer = load_target(args.model, dtype="float32", device=args.device)
     head = load_head(args.head, draft_vocab=args.draft_vocab, device=model.device)
-    target = TargetModel(model, feature_kind="eagle3" if head.config.kind == "eagle3" else "final")
+    kind = "eagle3" if head.config.kind == "eagle3" else "final"
+    target = TargetModel(model, feature_kind=kind)
     check_head_fits(head, target, f"the head in '{args.head}'")
+    features_from = target  # --feature-path fast: the rows drafting reads (labels still from the model's LM head)
+    if args.feature_path == "fast":
+        from ..targets.fast import make_target
+
+        fast_model, _ = load_target(args.model, dtype="bfloat16", device=args.device, one_copy=True)
+        features_from = make_target(fast_model, kind, backend="fast")
     convs = [c for path in args.data for c in read_conversations(path)]
     examples = encode_dataset(tokenizer, convs, args.max_length)
     if args.limit is not None:
         examples = examples[: args.limit]
-    result = draft_accuracy(head, target, OnlineFeatures(target, examples), list(range(len(examples))), args.steps)
+    result = draft_accuracy(head, target, OnlineFeatures(features_from, examples), list(range(len(examples))),
+                            args.steps)
     print(f"{len(examples)} conversations: {format_accuracy(result)}")
     if args.out:
         Path(args.out).write_text(json.dumps({"head": str(args.head), "data": args.data,
@@ -191,6 +203,9 @@ def register_eval(sub) -> None:
     v.add_argument("--max-length", type=int, default=1024, help="tokens per conversation (longer ones are cut)")
     v.add_argument("--draft-vocab", type=int, default=None,
                    help="EAGLE-1: drafting vocabulary size (default: the head's; 0 = full)")
+    v.add_argument("--feature-path", default="model", choices=["model", "fast"],
+                   help="features from transformers' forward of the model, or from the decoding fast path (the rows "
+                        "the head reads when drafting; see train head --feature-path)")
     v.add_argument("--out", default=None, help="also write the result as JSON here")
     v.set_defaults(func=cmd_eval)
 
@@ -254,6 +269,10 @@ def register_head(sub) -> None:
     h.add_argument("--feature-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype the target computes the training features in; bfloat16 (autocast, weights unchanged) "
                         "is about twice as fast on CPUs with native bfloat16 (AVX-512 BF16, AMX) and on GPUs")
+    h.add_argument("--feature-path", default="model", choices=["model", "fast"],
+                   help="what computes the training features: transformers' forward of the model (--feature-dtype "
+                        "applies), or the decoding fast path in bfloat16 (the kernels, a GGUF file's own 4-bit "
+                        "blocks): then the head trains on exactly the rows it reads when drafting")
     h.add_argument("--mixed-precision", default="auto", choices=["auto", "no", "bf16", "fp16"],
                    help="auto = bf16 on a GPU (fp16 before Ampere), off on CPU")
     h.add_argument("--time-budget", type=float, default=None, metavar="MIN",

@@ -9,6 +9,7 @@ Output folder layout:
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import pickle
@@ -74,6 +75,7 @@ class TrainConfig:
     seed: int = 0
     cache_features: str | None = None  # folder for cached target features; None = online
     feature_dtype: str = "float32"  # what the target computes training features in (bfloat16: under autocast)
+    feature_path: str = "model"  # "model": transformers' forward; "fast": the decoding fast path (see Trainer)
     save_dtype: str = "float32"  # dtype of the final head's weights
     mixed_precision: str = "auto"  # auto = bf16 on GPU, none on CPU
     time_budget_min: float | None = None  # stop training (and write the head) after this many minutes
@@ -161,7 +163,10 @@ def auto_mixed_precision() -> str:
     return "fp16" if gpu_lacks_native_bf16() else "bf16"
 
 class Trainer:
-    def __init__(self, config: TrainConfig, hf_model, tokenizer, progress: bool = True):
+    def __init__(self, config: TrainConfig, hf_model, tokenizer, progress: bool = True, feature_model=None):
+        """`feature_model`: with `config.feature_path == "fast"`, the model the fast path runs on (bfloat16, as
+        decoding loads it: `load_target(name, dtype="bfloat16", one_copy=True)`); None = a bfloat16 copy of
+        `hf_model`. The training features are then the rows a head reads when drafting from that fast target."""
         from accelerate import Accelerator
 
         if config.kind not in ("eagle1", "eagle3"):
@@ -178,6 +183,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         self.target = TargetModel(hf_model.to(self.accelerator.device),
                                   feature_kind="eagle3" if config.kind == "eagle3" else "final")
+        self.feature_target = self._feature_target(hf_model, feature_model)  # what computes the features
 
         files = encode_files(tokenizer, [read_conversations(path) for path in config.data], config.max_length)
         examples = [ex for file in files for ex in file]
@@ -213,8 +219,8 @@ class Trainer:
         if c.cache_features:
             if not self.accelerator.is_main_process:  # the main process computes missing features first
                 self.accelerator.wait_for_everyone()
-            stores = open_feature_stores(self.target, files, c.cache_features, c.model, progress=self.progress,
-                                         compute_dtype=self._feature_dtype())
+            stores = open_feature_stores(self.feature_target, files, c.cache_features, self._feature_source_name(),
+                                         progress=self.progress, compute_dtype=self._feature_dtype())
             if self.accelerator.is_main_process:
                 self.accelerator.wait_for_everyone()
             refs = [(store, j) for store in stores for j in range(len(store.examples))]
@@ -222,16 +228,48 @@ class Trainer:
                     CachedFeatures([refs[i] for i in held_idx]) if held_idx else None)
         examples = [ex for file in files for ex in file]
         compute = self._feature_dtype()
-        return (OnlineFeatures(self.target, [examples[i] for i in train_idx], compute),
-                OnlineFeatures(self.target, [examples[i] for i in held_idx], compute) if held_idx else None)
+        target = self.feature_target
+        return (OnlineFeatures(target, [examples[i] for i in train_idx], compute),
+                OnlineFeatures(target, [examples[i] for i in held_idx], compute) if held_idx else None)
+
+    def _feature_target(self, hf_model, feature_model) -> TargetModel:
+        """The target that computes training features: `self.target` (transformers' forward), or with
+        --feature-path fast a fast target over `feature_model` (the rows drafting reads: same weights, kernels and
+        bits; on a GGUF model the file's own 4-bit blocks, where transformers' forward reads their bfloat16
+        rounding)."""
+        c = self.config
+        if c.feature_path not in ("model", "fast"):
+            raise EagleSpecError(f"--feature-path must be model or fast, got '{c.feature_path}'")
+        if c.feature_path == "model":
+            return self.target
+        if c.feature_dtype != "float32":
+            raise EagleSpecError("--feature-dtype applies to --feature-path model; the fast path computes features "
+                                 "as it decodes")
+        from ..targets import source
+        from ..targets.fast import make_target
+
+        if feature_model is None:  # a bfloat16 copy (a GGUF model keeps its file: the fast path reads its blocks)
+            feature_model = copy.deepcopy(hf_model).to(torch.bfloat16)
+            if source.gguf_file(hf_model) is not None:
+                source.note_gguf(feature_model, source.gguf_file(hf_model))
+        return make_target(feature_model.to(self.accelerator.device), self.target.feature_kind, backend="fast")
+
+    def _feature_source_name(self) -> str:
+        """What names a feature store besides its examples: the model and, for the fast path, its plan's
+        signature (kernels, weight format), since its rows are that plan's."""
+        if self.feature_target is self.target:
+            return self.config.model
+        return f"{self.config.model}|fast|{self.feature_target.backend_signature()}"
 
     def _feature_dtype(self) -> torch.dtype | None:
-        """The dtype the target computes features in, None where that is its own."""
+        """The dtype the target computes features in, None where that is its own (always, on the fast path)."""
+        if self.feature_target is not self.target:
+            return None
         names = {"float32": torch.float32, "bfloat16": torch.bfloat16}
         if self.config.feature_dtype not in names:
             raise EagleSpecError(f"--feature-dtype must be float32 or bfloat16, got '{self.config.feature_dtype}'")
         dtype = names[self.config.feature_dtype]
-        return None if dtype == self.target.dtype else dtype
+        return None if dtype == self.feature_target.dtype else dtype
 
     def _new_head(self, train: list[Example]) -> DraftHead:
         c = self.config

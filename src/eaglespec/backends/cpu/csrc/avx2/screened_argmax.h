@@ -1,5 +1,6 @@
 // The LM-head screen's micro-kernels for CPUs with AVX2 (the operator and its bound: common/screened_argmax.h), with
-// the same packed operands (eaglespec.backends.cpu.kernels.int8_rows) and the same integers, hence the same a_n, e_n and E_n.
+// the same packed operands (eaglespec.backends.cpu.kernels.int8_rows) and the same integers, hence the same a_n, e_n
+// and E_n.
 //
 // What differs is only how the integer sums are formed. AVX2 has no vpdpbusd (u8 x s8, 4 products summed into
 // int32). vpmaddubsw multiplies u8 by s8 and adds pairs into int16 with saturation, and the stored bytes q + 128

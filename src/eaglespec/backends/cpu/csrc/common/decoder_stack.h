@@ -5,11 +5,11 @@
 //   h = RMSNorm(x) * w_in;  qkv = h W_qkv^T (+ b);  q, k = RoPE(q, k);
 //   attention of each sequence's rows over its own cache (attention::tree_attention_batch, which writes k and v);
 //   x = x + attn W_o^T;  h = RMSNorm(x) * w_post;  gate, up = h W_gu^T;  x = x + (SiLU(gate) up) W_down^T.
-// The products are the kernels' own (bf16::bf16_linear, q4::q4_linear, q6::q6_linear). The steps between them work on each row
-// alone, in a fixed order, and round to bfloat16 where the model's bfloat16 arithmetic does (each elementwise result,
-// as torch's bfloat16 operators round them); RMSNorm sums x^2 in float32 over 8 interleaved partial sums. So a row's
-// bits depend on that row only: a verified tree row gets the bits of the one-token step that would compute it, and
-// a batch's row those of its batch-1 step, as with the layers in Python (eaglespec.targets.layers), whose steps
+// The products are the kernels' own (bf16::bf16_linear, q4::q4_linear, q6::q6_linear). The steps between them work on
+// each row alone, in a fixed order, and round to bfloat16 where the model's bfloat16 arithmetic does (each elementwise
+// result, as torch's bfloat16 operators round them); RMSNorm sums x^2 in float32 over 8 interleaved partial sums. So a
+// row's bits depend on that row only: a verified tree row gets the bits of the one-token step that would compute it,
+// and a batch's row those of its batch-1 step, as with the layers in Python (eaglespec.targets.layers), whose steps
 // between the products these replace (~40 torch operator calls a layer, ~0.3 ms a layer of Python on 2 cores).
 
 #pragma once
@@ -164,8 +164,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 std::vector<at::Tensor> decoder_stack(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                                       at::TensorList norms, at::TensorList packed, at::IntArrayRef outs,
                                       at::IntArrayRef kinds, const c10::List<std::optional<at::Tensor>>& biases,
-                                      at::IntArrayRef parts, at::TensorList keys_t, at::TensorList values, at::IntArrayRef cached,
-                                      at::IntArrayRef sizes, const c10::List<std::optional<at::Tensor>>& step_masks,
+                                      at::IntArrayRef parts, at::TensorList keys_t, at::TensorList values,
+                                      at::IntArrayRef cached, at::IntArrayRef sizes,
+                                      const c10::List<std::optional<at::Tensor>>& step_masks,
                                       int64_t heads, int64_t kv_heads, double eps, at::IntArrayRef saved) {
   const int64_t layers = static_cast<int64_t>(norms.size()) / 2, seqs = static_cast<int64_t>(sizes.size());
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "decoder_stack: x must be [N, d] bfloat16");
@@ -185,7 +186,8 @@ std::vector<at::Tensor> decoder_stack(const at::Tensor& x_in, const at::Tensor& 
   TORCH_CHECK(seqs > 0 && static_cast<int64_t>(keys_t.size()) == layers * seqs &&
                   static_cast<int64_t>(values.size()) == layers * seqs,
               "decoder_stack: one cache per layer and sequence");
-  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "decoder_stack: heads must be a multiple of kv_heads");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0,
+              "decoder_stack: heads must be a multiple of kv_heads");
   const int64_t hd = cos_in.size(-1);
   TORCH_CHECK(cos_in.dim() == 2 && sin_in.dim() == 2 && cos_in.size(0) == n && sin_in.sizes() == cos_in.sizes() &&
                   cos_in.scalar_type() == at::kBFloat16 && sin_in.scalar_type() == at::kBFloat16 && hd % 2 == 0,
@@ -214,7 +216,9 @@ std::vector<at::Tensor> decoder_stack(const at::Tensor& x_in, const at::Tensor& 
       result.push_back(x.clone());
       ++next_saved;
     }
-    auto run = [&](const at::Tensor& input, int64_t i) {  // the layer's product i, its parts' outputs side by side
+    // the layer's product i, its parts' outputs side by side (one copy of a split product's [N, outs] output: at one
+    // row a few KB a layer, against megabytes of weights read)
+    auto run = [&](const at::Tensor& input, int64_t i) {
       const int64_t begin = first[kMatrices * l + i], end = first[kMatrices * l + i + 1];
       if (end - begin == 1) return product(input, packed[begin], outs[begin], biases.get(begin), kinds[begin]);
       std::vector<at::Tensor> pieces;

@@ -1,7 +1,7 @@
 // The schemas of eaglespec's CPU operators and the list of their implementations.
 //
-// The kernels come in one build per instruction set (eaglespec.backends.cpu.kernels.ISAS): AVX-512 (avx512/kernels.cpp) and
-// AVX2 + FMA (avx2/kernels.cpp). Both define these schemas and register the same host code over their own
+// The kernels come in one build per instruction set (eaglespec.backends.cpu.kernels.ISAS): AVX-512 (avx512/kernels.cpp)
+// and AVX2 + FMA (avx2/kernels.cpp). Both define these schemas and register the same host code over their own
 // micro-kernels, so Python code and compiled graphs call the same operators whichever build the CPU loaded, and both
 // read the same packed layouts. Included after the build's micro-kernels (the host code calls them as isa::).
 
@@ -36,7 +36,8 @@ TORCH_LIBRARY(eaglespec, m) {
   m.def("q6_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("q6_unpack(Tensor packed, int n, int k) -> Tensor");
   m.def("decoder_stack(Tensor x, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] packed, int[] outs, int[] kinds, "
-        "Tensor?[] biases, int[] parts, Tensor(a!)[] keys_t, Tensor(b!)[] values, int[] cached, int[] sizes, Tensor?[] step_masks, "
+        "Tensor?[] biases, int[] parts, Tensor(a!)[] keys_t, Tensor(b!)[] values, int[] cached, int[] sizes, "
+        "Tensor?[] step_masks, "
         "int heads, int kv_heads, float eps, int[] saved) -> Tensor[]");
 }
 

@@ -8,15 +8,15 @@
 // and its 0.5B sibling most of its matrices in Q5_0.
 //
 // Each 16 k sum to S = sum_k x[k] (q[k] - 32), every product exact (a bfloat16 input times an integer below 256),
-// then acc = fma(s, S, acc), block after block; a row goes through the same sums in the same order whatever the number of
-// rows in the call (row-invariant), so speculative decoding stays exactly plain decoding. The micro-kernels:
+// then acc = fma(s, S, acc), block after block; a row goes through the same sums in the same order whatever the
+// number of rows in the call (row-invariant), so speculative decoding stays exactly plain decoding. The micro-kernels:
 // avx512/q6_gemm.h (the codes unpacked into bfloat16 128 + q, vdpbf16ps over k-pairs, then - 160 X) and
 // avx2/q6_gemm.h (the codes turned into floats once per group-block, then float32 FMAs); the two builds' sums
 // differ in the last bits (pairs inside vdpbf16ps), each exact against its own plain decoding.
 //
 // The micro-kernels (isa::, included before this): kBf16Rows (whether they take the bfloat16 rows, else float32
-// copies), kNeedsSums (whether they take each 16 inputs' sum X too) and group_rows (any number of rows times all 32 columns of a group -> acc). Threads: at::parallel_for over
-// column groups.
+// copies), kNeedsSums (whether they take each 16 inputs' sum X too) and group_rows (any number of rows times all 32
+// columns of a group -> acc). Threads: at::parallel_for over column groups.
 
 #pragma once
 

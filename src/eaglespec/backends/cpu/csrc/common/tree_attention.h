@@ -40,7 +40,8 @@ struct Queries {
   const float* at(int64_t h, int64_t r) const { return data + h * head_stride + r * row_stride; }
 };
 
-// Where the outputs of the step's (head, row) pairs go: [H, n, hd] of one sequence, or its rows of a batch's [H, N, hd].
+// Where the outputs of the step's (head, row) pairs go: [H, n, hd] of one sequence, or its rows of a batch's
+// [H, N, hd].
 struct Outputs {
   float* data;
   int64_t head_stride, row_stride;
@@ -204,7 +205,8 @@ at::Tensor tree_attention_batch(const at::Tensor& q_in, const at::Tensor& k, con
                     vs.size(0) == kv_heads && vs.size(2) == hd && c >= 0 && n > 0 && c + n <= kt.size(2) &&
                     c + n <= vs.size(1) && kt.scalar_type() == dtype && vs.scalar_type() == dtype &&
                     (dtype == at::kFloat || dtype == at::kBFloat16) && kt.stride(2) == 1 && vs.stride(2) == 1,
-                "tree_attention_batch: sequence ", i, ": cache keys_t [", kv_heads, ", ", hd, ", >= c + n] and values [",
+                "tree_attention_batch: sequence ", i, ": cache keys_t [", kv_heads, ", ", hd,
+                ", >= c + n] and values [",
                 kv_heads, ", >= c + n, ", hd, "] of one dtype (float32 or bfloat16), c >= 0, n >= 1");
     starts[i + 1] = starts[i] + n;
     TORCH_CHECK(starts[i + 1] <= rows, "tree_attention_batch: the sizes add up to more than q's ", rows, " rows");
