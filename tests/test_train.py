@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import make_model
 
+from eaglespec.api import Engine
 from eaglespec.backends.cpu import kernels as bf16gemm
 from eaglespec.errors import CheckpointError, EagleSpecError
 from eaglespec.heads import build_head, load_head, read_draft_vocab, save_head
@@ -19,6 +20,7 @@ from eaglespec.heads.layer import KVCache
 from eaglespec.targets.fast import FastTarget, make_target
 from eaglespec.targets.hf import TargetModel
 from eaglespec.train.data import (
+    eaglespec_generator,
     encode_conversation,
     encode_dataset,
     read_conversations,
@@ -741,6 +743,25 @@ def test_llamacpp_engine_without_its_package_names_the_pip_command(monkeypatch):
     monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(MissingPackageError, match="pip install llama-cpp-python"):
         data.llamacpp_generator("model.gguf", {0}, context=64)
+
+
+def test_eaglespec_engine_answers_are_its_plain_decoding(tok, target_model, tmp_path):
+    """train data --engine eaglespec: each answer is what eaglespec's plain decoding of that prompt alone writes
+    (batched, the stop token dropped), and the records resume like any engine's."""
+    engine = Engine.from_model(target_model, tok, head=None, method="vanilla")
+    stop_ids = {tok.eos_token_id}
+    generate = eaglespec_generator(engine, stop_ids, max_batch=3)
+    prompts = [c[:1] for c in conversations(4, seed=5)]
+    batch = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True) for p in prompts]
+    batch = [ids["input_ids"] if hasattr(ids, "keys") else ids for ids in batch]
+    answers = generate(batch, 7)
+    for ids, answer in zip(batch, answers):
+        alone = [t for t in engine.generate(ids, max_new_tokens=7).tokens]
+        assert answer == (alone[:-1] if alone and alone[-1] in stop_ids else alone) and answer
+    out = tmp_path / "answers.jsonl"
+    assert self_distill(generate, tok, prompts, out, batch_size=2, max_new_tokens=7, progress=False) == 4
+    record = json.loads(out.read_text().splitlines()[0])
+    assert record["conversations"][-1]["value"] == tok.decode(answers[int(record["id"])]).strip()
 
 
 def test_self_distillation_decodes_each_answer_of_any_engine(tok, tmp_path):

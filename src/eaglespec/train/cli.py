@@ -48,8 +48,14 @@ def cmd_data(args: argparse.Namespace) -> int:
 def _answer_engine(args: argparse.Namespace):
     """(batch generator, tokenizer) of `train data --engine`."""
     from ..models import load_target, load_tokenizer, resolve_model
-    from .data import llamacpp_generator, transformers_generator
+    from .data import eaglespec_generator, llamacpp_generator, transformers_generator
 
+    if args.engine == "eaglespec":
+        from ..api import Engine
+
+        engine = Engine(args.model, head=None, method="vanilla", device=args.device)
+        tokenizer, stop_ids = load_tokenizer(args.model)
+        return eaglespec_generator(engine, stop_ids, max_batch=args.batch_size), tokenizer
     if args.engine == "transformers":
         model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device)
         return transformers_generator(model, tokenizer), tokenizer
@@ -104,9 +110,10 @@ def register(subparsers, model_options=None, sampling_options=None) -> None:
     d.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
     d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights of the transformers engine")
-    d.add_argument("--engine", default="transformers", choices=["transformers", "llamacpp"],
-                   help="what writes the answers: transformers (batched, any model) or llama.cpp on the GGUF file "
-                        "itself (pip install llama-cpp-python; its 4-bit products suit a CPU)")
+    d.add_argument("--engine", default="transformers", choices=["transformers", "llamacpp", "eaglespec"],
+                   help="what writes the answers: transformers (batched, any model), llama.cpp on the GGUF file "
+                        "itself (pip install llama-cpp-python; its 4-bit products suit a CPU), or eaglespec's own "
+                        "batched plain decoding (the tokens speculative decoding verifies against; --dtype unused)")
     d.set_defaults(func=cmd_data)
     n = sub.add_parser("ngram", help="count a stage-2 n-gram model for --method staged (from text the models wrote)")
     _model_arg(n)

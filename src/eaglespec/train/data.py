@@ -203,6 +203,24 @@ def llamacpp_generator(gguf_path: str | Path, stop_ids: set[int], context: int, 
     return generate
 
 
+def eaglespec_generator(engine, stop_ids: set[int], max_batch: int = 8) -> BatchGenerator:
+    """Greedy answers from eaglespec's own plain decoding (`engine`: an `Engine` with method "vanilla"), a batch
+    per call through its batch decoder: exactly the tokens the target verifies against when it decodes (the fast
+    path, its kernels, a GGUF file's own 4-bit blocks), each sequence as it would decode alone."""
+    def generate(batch: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        results = engine.generate_batch(batch, max_new_tokens=max_new_tokens, max_batch=max_batch,
+                                        speculate="never")
+        answers = []
+        for result in results:
+            tokens = list(result.tokens)
+            while tokens and tokens[-1] in stop_ids:  # (the stop token ends the answer; the record has none)
+                tokens.pop()
+            answers.append(tokens)
+        return answers
+
+    return generate
+
+
 def self_distill(
     generate: BatchGenerator,
     tokenizer,
@@ -214,8 +232,9 @@ def self_distill(
     progress: bool = True,
 ) -> int:
     """Have the target answer `prompts` greedily through `generate` (`transformers_generator`,
-    `llamacpp_generator`) and append {"id", "conversations"} records to `out_path` (JSONL, ShareGPT layout).
-    Resumable: prompts whose id is already in the file are skipped. Returns the number of records in the file."""
+    `llamacpp_generator`, `eaglespec_generator`) and append {"id", "conversations"} records to `out_path` (JSONL,
+    ShareGPT layout). Resumable: prompts whose id is already in the file are skipped. Returns the number of records
+    in the file."""
     from tqdm import tqdm
 
     out_path = Path(out_path)
