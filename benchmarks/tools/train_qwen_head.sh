@@ -60,3 +60,15 @@ eaglespec train head --kind eagle3 --model qwen2.5-coder-1.5b --data runs/qwen/h
   --feature-dtype bfloat16 --mixed-precision bf16 --init-head runs/qwen/head2/eagle3/checkpoints/step-0000700/head \
   --eval-steps 5 --batch-size 4 --lr 8e-4 --warmup-steps 50 --max-steps 1800 --eval-every 300 --save-every 100 \
   --save-dtype bfloat16 --threads 2 --draft-vocab-size 8192 --ttt-steps 3 --intermediate-size 2048 --time-budget 85
+
+# The fourth head (2026-11-28, a 2-vCPU AMD EPYC Zen 4 VM; see below for its results): trained from scratch on the
+# first 1,312 committed answers, with the features computed by the decoding fast path itself (--feature-path fast:
+# the file's own 4-bit blocks and eaglespec's kernels, bit for bit the rows the head reads when drafting) instead of
+# transformers' forward in bfloat16.
+mkdir -p runs/qwen/head4
+gunzip -c data/qwen2.5-coder-1.5b/answers.jsonl.gz | head -n 1312 > runs/qwen/head4/answers-1312.jsonl
+eaglespec train head --kind eagle3 --model qwen2.5-coder-1.5b --data runs/qwen/head4/answers-1312.jsonl \
+  --out runs/qwen/head4/eagle3 --max-length 768 --eval-size 16 --cache-features runs/qwen/head4/features \
+  --feature-path fast --mixed-precision bf16 \
+  --eval-steps 5 --batch-size 4 --lr 8e-4 --warmup-steps 50 --epochs 100 --eval-every 300 --save-every 100 \
+  --save-dtype bfloat16 --threads 2 --draft-vocab-size 8192 --ttt-steps 3 --intermediate-size 2048 --time-budget 75
