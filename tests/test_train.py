@@ -34,7 +34,7 @@ from eaglespec.train.features import (
     open_feature_stores,
     pad_examples,
 )
-from eaglespec.train.trainer import TrainConfig, Trainer, lr_lambda
+from eaglespec.train.trainer import TrainConfig, Trainer, lr_lambda, split_indices
 from eaglespec.train.vocab import select_draft_vocab, token_counts
 
 CHARS = string.ascii_lowercase + " .,?\n"
@@ -268,6 +268,39 @@ def test_resume_refuses_changed_settings_and_corrupt_state(tmp_path, data_file, 
         Trainer(cfg, target_model, tok, progress=False).resume()
     with pytest.raises(EagleSpecError, match="no checkpoint"):
         Trainer(config(tmp_path / "fresh", data_file, "eagle3"), target_model, tok, progress=False).resume()
+
+
+def test_held_out_conversations_stay_held_out_as_the_data_grows(tmp_path, target_model, tok):
+    convs = conversations(60, seed=3)
+    small = encode_dataset(tok, convs[:40], 256)
+    grown = encode_dataset(tok, convs, 256)  # 20 conversations appended
+    train_small, held_small = split_indices(small, 6, seed=0)
+    train_grown, held_grown = split_indices(grown, 6, seed=0)
+    assert len(held_small) == len(held_grown) == 6 and sorted(train_small + held_small) == list(range(40))
+    # Nothing a head trained on the first 40 saw is held out of the 60: only held-out or new conversations are.
+    assert set(held_grown) <= set(held_small) | set(range(40, 60))
+    assert split_indices(grown, 6, seed=0) == (train_grown, held_grown)  # deterministic
+    assert split_indices(grown, 6, seed=1)[1] != held_grown
+
+    # --eval-data: every conversation of those files is held out, every --data one trains.
+    train_file = write_sharegpt(tmp_path / "train.json", convs[:40])
+    eval_file = write_sharegpt(tmp_path / "held.json", convs[40:45])
+    trainer = Trainer(config(tmp_path, train_file, "eagle3", eval_data=[eval_file], eval_size=8, max_steps=2,
+                             save_every=2), target_model, tok, progress=False)
+    assert len(trainer.train_examples) == 40 and len(trainer.eval_examples) == 5
+    assert [ex.input_ids.tolist() for ex in trainer.eval_examples] == [ex.input_ids.tolist() for ex in grown[40:45]]
+    trainer.train()
+    resumed = Trainer(config(tmp_path, train_file, "eagle3", eval_data=None, eval_size=8, max_steps=2,
+                             save_every=2), target_model, tok, progress=False)
+    with pytest.raises(CheckpointError, match="eval_data"):
+        resumed.resume()
+    # A checkpoint from before --eval-data existed drew another split: resuming it is refused, --init-head named.
+    ckpt = tmp_path / "run-eagle3" / "checkpoints" / "step-0000002"
+    saved = json.loads((ckpt / "train_config.json").read_text())
+    del saved["eval_data"]
+    (ckpt / "train_config.json").write_text(json.dumps(saved))
+    with pytest.raises(CheckpointError, match="--init-head"):
+        resumed.resume()
 
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])

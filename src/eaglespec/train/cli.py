@@ -140,7 +140,8 @@ def cmd_head(args: argparse.Namespace) -> int:
         max_examples=args.max_examples, batch_size=args.batch_size, epochs=args.epochs, max_steps=args.max_steps,
         lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         noise=args.noise, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps, eval_steps=args.eval_steps,
-        eval_size=args.eval_size, eval_every=args.eval_every, save_every=args.save_every, log_every=args.log_every,
+        eval_size=args.eval_size, eval_data=args.eval_data, eval_every=args.eval_every, save_every=args.save_every,
+        log_every=args.log_every,
         seed=args.seed, cache_features=args.cache_features, feature_dtype=args.feature_dtype,
         feature_path=args.feature_path,
         save_dtype=args.save_dtype,
@@ -263,7 +264,11 @@ def register_head(sub) -> None:
                         "weighted 0.8^j (default 7 for EAGLE-3 as in its paper; 1 for EAGLE-1, the EAGLE-1 paper's "
                         "loss, where 2-3 trains the deeper draft steps)")
     h.add_argument("--eval-steps", type=int, default=5, help="held-out accuracy at draft steps 1..N")
-    h.add_argument("--eval-size", type=int, default=32, help="held-out conversations")
+    h.add_argument("--eval-size", type=int, default=32,
+                   help="held-out conversations drawn from --data (those whose tokens hash lowest: they stay held out "
+                        "as the data grows)")
+    h.add_argument("--eval-data", nargs="+", default=None, metavar="FILE",
+                   help="held-out conversations from these files instead; every --data conversation then trains")
     h.add_argument("--eval-every", type=int, default=200)
     h.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (and at the end)")
     h.add_argument("--log-every", type=int, default=10)

@@ -10,6 +10,7 @@ Output folder layout:
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import pickle
@@ -40,8 +41,9 @@ from .losses import eagle1_loss, eagle3_loss
 from .vocab import coverage, select_draft_vocab, token_counts
 
 # Settings that must not change when a run is resumed (they define the data order and the objective).
-RESUME_KEYS = ("kind", "data", "model", "max_length", "batch_size", "seed", "eval_size", "draft_vocab_size",
-               "ttt_steps", "epochs", "max_steps", "lr", "warmup_steps", "ce_vocab", "intermediate_size")
+RESUME_KEYS = ("kind", "data", "eval_data", "model", "max_length", "batch_size", "seed", "eval_size",
+               "draft_vocab_size", "ttt_steps", "epochs", "max_steps", "lr", "warmup_steps", "ce_vocab",
+               "intermediate_size")
 
 
 @dataclass
@@ -68,7 +70,8 @@ class TrainConfig:
     intermediate_size: int | None = None  # the head's MLP width; None = the target's
     ttt_steps: int | None = None  # training-time test depth; None = 7 for EAGLE-3 (the paper), 1 for EAGLE-1
     eval_steps: int = 5  # accuracy reported at steps 1..eval_steps
-    eval_size: int = 32  # held-out conversations
+    eval_size: int = 32  # held-out conversations drawn from `data` (ignored with eval_data)
+    eval_data: list[str] | None = None  # held-out conversations from their own files; then all of `data` trains
     eval_every: int = 200
     save_every: int = 200
     log_every: int = 10
@@ -116,11 +119,20 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float, time_fractio
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def split_indices(n: int, eval_size: int, seed: int) -> tuple[list[int], list[int]]:
-    """Deterministic held-out split of n examples: (train indices, eval indices), each in increasing order."""
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    held = set(order[: min(eval_size, max(0, n - 1))])
+def split_indices(examples: list[Example], eval_size: int, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic held-out split: (train indices, eval indices), each in increasing order.
+
+    The held-out examples are the `eval_size` whose tokens hash lowest under `seed`, so the split is stable as data
+    grows: examples appended to a file or added in a new one can displace a held-out example into training, but an
+    example never moves the other way. A head trained on the smaller data set and continued on the larger one
+    (--init-head) is therefore never scored on conversations it trained on."""
+    def key(i: int) -> bytes:
+        h = hashlib.sha256(seed.to_bytes(8, "little", signed=True))
+        h.update(examples[i].input_ids.numpy().tobytes())
+        return h.digest()
+
+    n = len(examples)
+    held = set(sorted(range(n), key=lambda i: (key(i), i))[: min(eval_size, max(0, n - 1))])
     return [i for i in range(n) if i not in held], sorted(held)
 
 
@@ -185,9 +197,15 @@ class Trainer:
                                   feature_kind="eagle3" if config.kind == "eagle3" else "final")
         self.feature_target = self._feature_target(hf_model, feature_model)  # what computes the features
 
-        files = encode_files(tokenizer, [read_conversations(path) for path in config.data], config.max_length)
+        eval_files = config.eval_data or []
+        files = encode_files(tokenizer, [read_conversations(path) for path in [*config.data, *eval_files]],
+                             config.max_length)
         examples = [ex for file in files for ex in file]
-        train_idx, held_idx = split_indices(len(examples), config.eval_size, config.seed)
+        if eval_files:  # held out: every conversation of the --eval-data files; trained: all of --data
+            n_train = sum(len(file) for file in files[: len(config.data)])
+            train_idx, held_idx = list(range(n_train)), list(range(n_train, len(examples)))
+        else:
+            train_idx, held_idx = split_indices(examples, config.eval_size, config.seed)
         if config.max_examples is not None:
             train_idx = train_idx[: config.max_examples]
         if not train_idx:
@@ -428,6 +446,11 @@ class Trainer:
             saved = json.loads(config_path.read_text())
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"'{config_path}' is not valid JSON ({exc})") from exc
+        if "eval_data" not in saved and self.config.eval_size > 0 and not self.config.eval_data:
+            # Checkpoints written before eval_data existed drew their held-out conversations by a shuffle that
+            # changes as data grows; resuming one would train on another split.
+            raise CheckpointError(f"'{folder}' was written by an older eaglespec with another held-out split; "
+                                  f"continue from its head instead: --init-head {folder / 'head'}")
         defaults = {f.name: f.default for f in fields(TrainConfig)}  # checkpoints from before a key existed
         saved = {k: saved.get(k, defaults.get(k)) for k in RESUME_KEYS}
         current = asdict(self.config)
