@@ -23,12 +23,13 @@ from eaglespec.bench.methods import (
     parse_sweep,
     unavailable_reason,
 )
-from eaglespec.bench.metrics import first_mismatch, read_rows
+from eaglespec.bench.metrics import engine_agreement, first_mismatch, read_rows
 from eaglespec.bench.report import (
     PLOT_SPEEDUP,
     PLOT_SWEEP,
     PLOT_TAU,
     SUMMARY,
+    markdown,
     overall,
     write_report,
 )
@@ -279,6 +280,27 @@ def test_resume_keeps_the_complete_prompts_and_runs_the_rest(run, tmp_path):
                       repeats=1, warmup=1), out, progress=False, resume=True)
     with pytest.raises(EagleSpecError, match="no bench run"):
         run_benchmark(again, QUESTIONS, encode, decode, config, tmp_path / "empty", progress=False, resume=True)
+
+
+def test_speculative_peers_are_checked_against_their_own_plain_decoding():
+    def row(variant, qid, tokens, greedy=True):
+        return {"variant": variant, "method": variant, "kind": "peer", "category": "writing", "question_id": qid,
+                "turn": 1, "tokens": tokens, "new_tokens": len(tokens), "wall_time": 1.0,
+                "equal_to_vanilla": (tokens == [1, 2, 3]) if greedy else None}
+
+    rows = [row("vanilla", 1, [1, 2, 3]), row("vllm", 1, [1, 2, 4]), row("vllm-eagle3", 1, [1, 2, 4]),
+            row("vllm-ngram", 1, [1, 5, 4]), row("openvino-draft", 1, [1, 2, 3]),  # no openvino row: not compared
+            row("vanilla", 2, [1, 2, 3]), row("vllm", 2, [7, 7]), row("vllm-eagle3", 2, [7, 7, 8]),
+            row("vllm-ngram", 2, [7, 7])]
+    got = {a.variant: (a.plain, a.equal, a.compared, a.first_mismatch) for a in engine_agreement(rows)}
+    # vllm-eagle3 agrees with vLLM's plain answer on prompt 1 though both differ from ours; on prompt 2 it runs on
+    # past vLLM's end (a prefix parts at its length).
+    assert got == {"vllm-eagle3": ("vllm", 1, 2, 2), "vllm-ngram": ("vllm", 1, 2, 1)}
+    sampled = [dict(r, equal_to_vanilla=None) for r in rows]  # sampled runs are not compared
+    assert engine_agreement(sampled) == []
+    text = markdown(rows, None)
+    assert "## Speculative peers against their own plain decoding" in text
+    assert "| vllm-eagle3 | vllm | 1/2 **differs** | 2 |" in text
 
 
 def test_report_rebuilds_the_same_table_and_plots_from_the_jsonl(run, tmp_path):

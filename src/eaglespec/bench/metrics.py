@@ -220,3 +220,37 @@ def group(rows: list[dict], key) -> dict:
 def vanilla_index(rows: list[dict]) -> dict[tuple, dict] | None:
     base = {(r["question_id"], r["turn"]): r for r in rows if r["variant"] == "vanilla"}
     return base or None
+
+
+# A peer's speculative method and the same engine's plain decoding. Greedy, lossless speculation inside that engine
+# gives its plain answers, whatever they are against ours (the peers run other arithmetic than ours).
+ENGINE_PLAIN = {"vllm-ngram": "vllm", "vllm-draft": "vllm", "vllm-eagle3": "vllm", "openvino-draft": "openvino",
+                "hf-pld": "hf", "hf-assisted": "hf"}
+
+
+@dataclass
+class EngineAgreement:
+    variant: str  # the speculative peer method
+    plain: str  # its engine's plain decoding
+    equal: int  # prompts whose answers are equal
+    compared: int  # prompts both ran, greedy
+    first_mismatch: int | None  # the earliest token where an answer parted, None if none did
+
+
+def engine_agreement(rows: list[dict]) -> list[EngineAgreement]:
+    """Each speculative peer's greedy answers against its own engine's plain ones on the same prompts (rows of a
+    run that holds both; greedy rows are those with an `equal_to_vanilla` verdict)."""
+    plain_rows = {(r["variant"], r["question_id"], r["turn"]): r for r in rows
+                  if r["variant"] in ENGINE_PLAIN.values() and r.get("equal_to_vanilla") is not None}
+    out = []
+    for variant, rs in group([r for r in rows if r["variant"] in ENGINE_PLAIN], lambda r: r["variant"]).items():
+        plain = ENGINE_PLAIN[variant]
+        pairs = [(r, plain_rows.get((plain, r["question_id"], r["turn"]))) for r in rs
+                 if r.get("equal_to_vanilla") is not None]
+        pairs = [(r, p) for r, p in pairs if p is not None]
+        if not pairs:
+            continue
+        parted = [m for m in (first_mismatch(r["tokens"], p["tokens"]) for r, p in pairs) if m is not None]
+        out.append(EngineAgreement(variant, plain, len(pairs) - len(parted), len(pairs),
+                                   min(parted) if parted else None))
+    return out

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from ..errors import EagleSpecError
-from .metrics import Summary, group, read_rows, summarise, vanilla_index
+from .metrics import Summary, engine_agreement, group, read_rows, summarise, vanilla_index
 from .runner import RESULTS, RUN_INFO
 
 SUMMARY = "summary.md"
@@ -99,6 +99,17 @@ def markdown(rows: list[dict], info: dict | None) -> str:
     lines += ["", "tokens/s = all new tokens / all wall time; speedup = that over vanilla's on the same prompts; "
               "tau = tokens per target forward (bonus token included); draft / verify time = share of wall time "
               "(verify includes the prefill).", ""]
+    agreement = engine_agreement(rows)
+    if agreement:
+        lines += ["## Speculative peers against their own plain decoding", "",
+                  "Greedy answers of each speculative peer against the same engine's plain ones on the same prompts "
+                  "(lossless speculation inside that engine keeps them equal; against ours they may differ, as the "
+                  "peers run other arithmetic).", ""]
+        lines += _table(["method", "its plain decoding", "equal", "first differing token"],
+                        [[a.variant, a.plain, f"{a.equal}/{a.compared}" + ("" if a.equal == a.compared
+                                                                            else " **differs**"),
+                          "-" if a.first_mismatch is None else str(a.first_mismatch)] for a in agreement])
+        lines += [""]
     if any(s.method == "oracle" for s in summaries):
         lines += ["oracle = a measurement, not a method: it drafts plain decoding's own answer (a chain of --depth "
                   "tokens), so every draft token is accepted and drafting costs nothing; its speedup is the most "
