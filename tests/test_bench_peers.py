@@ -354,9 +354,11 @@ def test_all_lists_the_peers():
 def test_vllm_peer_runs_token_ids_through_the_worker(model_dir, fake_python):
     ctx = context(model_dir, fake_python)
     method = build_peer_method("vllm", ctx)
+    assert method.process.paused()  # stopped between its own requests: an idle engine takes no core from others
     prompt = [5, 9, 12]
     out = method.generate(prompt, 10, Sampling())
     assert out.tokens == fake_answer(prompt, 10, {1})
+    assert method.process.paused() and method.generate(prompt, 10, Sampling()).tokens == out.tokens
     assert out.wall_time > 0 and out.tau is None
     assert out.peak_rss_mb is not None and out.peak_rss_mb > 1  # the worker's own resident set, not ours
     (llm,) = peer_log(fake_python, "vllm.LLM")
@@ -368,7 +370,7 @@ def test_vllm_peer_runs_token_ids_through_the_worker(model_dir, fake_python):
     folder = Path(kwargs["model"])
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]  # vLLM needs it; the folder's own config may lack it
-    (call,) = peer_log(fake_python, "vllm.generate")
+    call = peer_log(fake_python, "vllm.generate")[0]
     assert call["prompt"] == prompt and call["params"]["temperature"] == 0.0
     assert call["params"]["stop_token_ids"] == [1] and call["params"]["max_tokens"] == 10
     settings = method.settings

@@ -7,6 +7,7 @@ import json
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,7 @@ from ..errors import EagleSpecError
 
 WORKER = Path(__file__).resolve().parent / "peer_worker.py"
 LOAD_TIMEOUT_S = 1800.0
+CAN_PAUSE = hasattr(signal, "SIGSTOP") and sys.platform.startswith("linux")  # process_tree needs Linux /proc
 
 
 def _children(pid: int) -> list[int]:
@@ -91,7 +93,17 @@ def _stop(proc: subprocess.Popen, log: Path | None = None, keep: dict | None = N
         log.unlink(missing_ok=True)
 
 
+def _signal_tree(pid: int, sig: int) -> None:
+    for p in process_tree(pid):
+        try:
+            os.kill(p, sig)
+        except OSError:  # gone meanwhile
+            continue
+
+
 def _end(proc: subprocess.Popen) -> None:
+    if CAN_PAUSE:
+        _signal_tree(proc.pid, signal.SIGCONT)  # a paused worker reads its EOF only once running again
     try:
         proc.stdin.close()
     except OSError:
@@ -143,6 +155,25 @@ class PeerProcess:
             raise EagleSpecError(f"{label} could not load: {ready.get('error', ready)} (log: {self.log})")
         self.ready = ready
         print(f"bench: {label} loaded in {float(ready.get('load_time', 0.0)):.0f} s", file=sys.stderr)
+        self.pause()
+
+    def pause(self) -> None:
+        """Stop the worker's processes (SIGSTOP) until its next request. An idle engine is not always idle on the
+        CPU (vLLM's CPU workers keep threads spinning), and every peer stays loaded for the whole run: running,
+        they would take cores from whatever is timed meanwhile (docs/benchmarks.md)."""
+        if CAN_PAUSE and self.proc.poll() is None:
+            _signal_tree(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if CAN_PAUSE and self.proc.poll() is None:
+            _signal_tree(self.pid, signal.SIGCONT)
+
+    def paused(self) -> bool:
+        """Whether the worker's main process is stopped (Linux; False elsewhere)."""
+        try:
+            return Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+        except (OSError, IndexError):
+            return False
 
     def _read(self, timeout: float | None, what: str, progress: bool = False) -> dict:
         """The next JSON line from the worker; an error if it exits, prints something else or takes too long."""
@@ -189,12 +220,16 @@ class PeerProcess:
             self._keep["log"] = True
             raise EagleSpecError(f"{self.label} is no longer running (exit code {self.proc.returncode}; "
                                  f"log: {self.log})")
+        self.resume()
         try:
             self.proc.stdin.write(json.dumps(message) + "\n")
             self.proc.stdin.flush()
         except OSError as exc:
             raise EagleSpecError(f"{self.label}: could not send a request ({exc}; log: {self.log})") from exc
-        reply = self._read(timeout, "generating")
+        try:
+            reply = self._read(timeout, "generating")
+        finally:
+            self.pause()
         if "error" in reply:
             self._keep["log"] = True
             raise EagleSpecError(f"{self.label} failed: {reply['error']} (log: {self.log})")
