@@ -33,11 +33,18 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
-def _equal(s: Summary) -> str:
-    if s.equal is None:
+def _section(title: str, text: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    return [f"## {title}", "", text, ""] + _table(header, rows) + [""]
+
+
+def _count(equal: int | None, compared: int) -> str:
+    if equal is None:
         return "-"
-    mark = "" if s.equal == s.compared else " **differs**"
-    return f"{s.equal}/{s.compared}{mark}"
+    return f"{equal}/{compared}" + ("" if equal == compared else " **differs**")
+
+
+def _equal(s: Summary) -> str:
+    return _count(s.equal, s.compared)
 
 
 def overall(rows: list[dict]) -> list[Summary]:
@@ -101,15 +108,14 @@ def markdown(rows: list[dict], info: dict | None) -> str:
               "(verify includes the prefill).", ""]
     agreement = engine_agreement(rows)
     if agreement:
-        lines += ["## Speculative peers against their own plain decoding", "",
-                  "Greedy answers of each speculative peer against the same engine's plain ones on the same prompts "
-                  "(lossless speculation inside that engine keeps them equal; against ours they may differ, as the "
-                  "peers run other arithmetic).", ""]
-        lines += _table(["method", "its plain decoding", "equal", "first differing token"],
-                        [[a.variant, a.plain, f"{a.equal}/{a.compared}" + ("" if a.equal == a.compared
-                                                                            else " **differs**"),
-                          "-" if a.first_mismatch is None else str(a.first_mismatch)] for a in agreement])
-        lines += [""]
+        lines += _section(
+            "Speculative peers against their own plain decoding",
+            "Greedy answers of each speculative peer against the same engine's plain ones on the same prompts "
+            "(lossless speculation inside that engine keeps them equal; against ours they may differ, as the peers "
+            "run other arithmetic).",
+            ["method", "its plain decoding", "equal", "first differing token"],
+            [[a.variant, a.plain, _count(a.equal, a.compared), "-" if a.first_mismatch is None
+              else str(a.first_mismatch)] for a in agreement])
     if any(s.method == "oracle" for s in summaries):
         lines += ["oracle = a measurement, not a method: it drafts plain decoding's own answer (a chain of --depth "
                   "tokens), so every draft token is accepted and drafting costs nothing; its speedup is the most "
@@ -138,14 +144,14 @@ def markdown(rows: list[dict], info: dict | None) -> str:
         lines += [""]
     work = [s for s in summaries if s.traffic is not None or s.draft_forwards_per_pass]
     if work:
-        lines += ["## Draft work and memory traffic", "",
-                  "Draft forwards (of the draft model or head) and stage-2 guesses the draft model accepted, per "
-                  "target forward; weights read per generated token as a share of plain decoding's (its one target "
-                  "forward a token), as staged speculative decoding's paper reports it.", ""]
-        lines += _table(["method", "draft forwards / target forward", "stage-2 acceptance", "weights read / token"],
-                        [[s.variant, _f(s.draft_forwards_per_pass), _pct(s.stage2_acceptance),
-                          _f(s.traffic, suffix="x")] for s in work])
-        lines += [""]
+        lines += _section(
+            "Draft work and memory traffic",
+            "Draft forwards (of the draft model or head) and stage-2 guesses the draft model accepted, per target "
+            "forward; weights read per generated token as a share of plain decoding's (its one target forward a "
+            "token), as staged speculative decoding's paper reports it.",
+            ["method", "draft forwards / target forward", "stage-2 acceptance", "weights read / token"],
+            [[s.variant, _f(s.draft_forwards_per_pass), _pct(s.stage2_acceptance), _f(s.traffic, suffix="x")]
+             for s in work])
     swept = [s for s in summaries if s.sweep]
     if swept:
         key = next(iter(swept[0].sweep))
