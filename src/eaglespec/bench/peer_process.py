@@ -163,6 +163,9 @@ class PeerProcess:
         they would take cores from whatever is timed meanwhile (docs/benchmarks.md)."""
         if CAN_PAUSE and self.proc.poll() is None:
             _signal_tree(self.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 2.0  # a signal lands asynchronously: be stopped before anything is timed
+            while not self.paused() and self.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.001)
 
     def resume(self) -> None:
         if CAN_PAUSE and self.proc.poll() is None:
