@@ -115,3 +115,16 @@ def test_auto_dtype_is_bfloat16_where_the_kernels_run(monkeypatch):
     assert platform.parse_dtype("auto", "cpu", bf16_kernels=False) == torch.float32
     monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: True)
     assert platform.parse_dtype("auto", "cpu") == torch.bfloat16
+
+
+def test_the_source_digest_reads_code_not_comments():
+    """Cached measurements and training-feature stores are keyed by the kernels' code: a comment or blank edit keeps
+    the key, a change to the code (or to a string literal holding "//") does not."""
+    code = '#include <x>\nconst char* s = "a//b"; // note\n#define TWICE(x) \\\n  (2 * (x))\nint f() { return 1; }\n'
+    edited = ('#include <x>   /* a new\n block comment */\n\nconst char* s = "a//b";   // other note\n'
+              '#define TWICE(x) \\\n    (2 * (x))\n\nint f() { return 1; }  // why\n')
+    assert bf16gemm.code_only(code) == bf16gemm.code_only(edited)
+    assert bf16gemm.code_only(code) != bf16gemm.code_only(code.replace("return 1", "return 2"))
+    assert bf16gemm.code_only(code) != bf16gemm.code_only(code.replace('"a//b"', '"a//c"'))
+    assert bf16gemm.code_only(code) != bf16gemm.code_only(code.replace("\\\n  (2", "\n  (2"))  # ends the #define
+    assert re.fullmatch(r"[0-9a-f]{12}", bf16gemm.source_digest())

@@ -3,13 +3,18 @@ checkpoints and resume, evaluation, vocabulary maps, export / import, errors."""
 
 from __future__ import annotations
 
+import copy
+import gc
 import json
 import random
 import string
+import weakref
+from dataclasses import replace
 
 import pytest
 import torch
 from conftest import make_model
+from safetensors.torch import load_file, save_file
 
 from eaglespec.api import Engine
 from eaglespec.backends.cpu import kernels as bf16gemm
@@ -31,6 +36,7 @@ from eaglespec.train.export import export_head
 from eaglespec.train.features import (
     CachedFeatures,
     OnlineFeatures,
+    map_safetensors,
     open_feature_stores,
     pad_examples,
 )
@@ -448,13 +454,16 @@ def test_fast_path_features_are_the_rows_decoding_reads(tmp_path, data_file, tar
     root = tmp_path / "cache"
     trainer = Trainer(config(tmp_path, data_file, kind="eagle3", cache_features=str(root), feature_path="fast",
                              max_steps=2), target_model, tok, progress=False)
-    assert isinstance(trainer.feature_target, FastTarget) and trainer.feature_target.dtype == torch.bfloat16
     assert next(target_model.parameters()).dtype == torch.float32  # (a copy: the labels' model stays float32)
     store = trainer.train_source.refs[0][0]
+    assert '"computed_in": "torch.bfloat16"' in (store.folder / "meta.json").read_text()
     ex = store.examples[0]
-    want_last, want = trainer.feature_target.features_for_batch(ex.input_ids[None])
+    fast16 = make_target(copy.deepcopy(target_model).to(torch.bfloat16), feature_kind="eagle3", backend="fast")
+    assert isinstance(fast16, FastTarget)
+    want_last, want = fast16.features_for_batch(ex.input_ids[None])
     assert torch.equal(store.rows(0)[1], want[0]) and torch.equal(store.rows(0)[0], want_last[0])
-    [model_store] = open_feature_stores(trainer.target, [store.examples], root, "tiny", progress=False)
+    [model_store] = open_feature_stores(TargetModel(target_model, feature_kind="eagle3"), [store.examples], root,
+                                        "tiny", progress=False)
     assert model_store.folder != store.folder  # the model's features are another store
     trainer.train()
     assert (tmp_path / "run-eagle3" / "head" / "config.json").is_file()
@@ -484,7 +493,8 @@ def test_feature_cache_keeps_one_store_per_file_and_reuses_it(tmp_path, target_m
     again = open_feature_stores(TargetModel(target_model, feature_kind="final"), [first, second], root, "tiny",
                                 progress=False)
     assert capsys.readouterr().err == ""  # nothing computed: EAGLE-1 takes the "last" rows of the EAGLE-3 stores
-    assert again[0].folder == stores[0].folder and again[0].features is None
+    assert again[0].folder == stores[0].folder
+    assert torch.equal(again[0].rows(1)[1], again[0].rows(1)[0])  # EAGLE-1's input features are the last rows
     assert torch.equal(again[1].rows(2)[1], stores[1].rows(2)[0])
     trainer = Trainer(config(tmp_path, files[0], data=files, kind="eagle3", cache_features=str(root), eval_size=3),
                       target_model, tok, progress=False)
@@ -499,6 +509,51 @@ def test_feature_cache_keeps_one_store_per_file_and_reuses_it(tmp_path, target_m
     shard.write_bytes(b"not a safetensors file")
     with pytest.raises(CheckpointError, match="corrupt"):
         open_feature_stores(fused, [first], root, "tiny", progress=False)
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_with_cached_features_the_trainer_lets_the_decoder_layers_go(tmp_path, data_file, tok, kind):
+    """Once every feature is on disk the losses read only the target's embedding and LM head: the trainer keeps no
+    reference to the decoder layers, so they are freed when the caller drops the model (as the CLI does), and
+    training and held-out evaluation run on, the same as with the whole model kept."""
+    model = make_model("llama", seed=5, vocab=48, layers=2)
+    kept = copy.deepcopy(model)
+    layer, embedding = weakref.ref(model.model.layers[0]), model.get_input_embeddings()
+    cached = config(tmp_path, data_file, kind, cache_features=str(tmp_path / "cache"), max_steps=3)
+    trainer = Trainer(cached, model, tok, progress=False)
+    del model
+    gc.collect()
+    assert layer() is None
+    assert trainer.target.embed_tokens is embedding and trainer.target.vocab_size == 48
+    whole = Trainer(replace(cached, out=str(tmp_path / "whole")), kept, tok, progress=False)
+    whole.target = TargetModel(kept, feature_kind="eagle3" if kind == "eagle3" else "final")  # the whole model
+    batch = trainer.train_source.batch([0, 1, 2])
+    assert torch.equal(trainer.loss(batch).total, whole.loss(batch).total)
+    trainer.train()
+    assert trainer.evaluate()["acc"][0] >= 0.0
+
+
+def test_feature_shards_are_mapped_from_their_files_not_copied(tmp_path):
+    """A store's shards are views of the files' pages (copy-on-write: writing to a view leaves the file as it was),
+    equal to what safetensors reads; a truncated or foreign file is an error, not garbage rows."""
+    tensors = {"last": torch.randn(7, 5).to(torch.bfloat16), "features": torch.randn(7, 15),
+               "half": torch.randn(3, 2).to(torch.float16)}
+    path = tmp_path / "shard.safetensors"
+    save_file(tensors, str(path), metadata={"note": "kept"})
+    mapped = map_safetensors(path)
+    assert mapped.keys() == tensors.keys()
+    for name, value in tensors.items():
+        assert mapped[name].dtype == value.dtype and torch.equal(mapped[name], value)
+        assert mapped[name].untyped_storage().nbytes() == path.stat().st_size  # one mapping of the whole file
+    before = path.read_bytes()
+    mapped["features"][0, 0] = 123.0
+    assert path.read_bytes() == before and torch.equal(load_file(str(path))["features"], tensors["features"])
+    path.write_bytes(before[: len(before) // 2])
+    with pytest.raises(ValueError, match="outside the file"):
+        map_safetensors(path)
+    path.write_bytes(b"\xff" * 16)
+    with pytest.raises(ValueError, match="header"):
+        map_safetensors(path)
 
 
 # ---- checkpoints, vocabulary, export -------------------------------------------------------------------------

@@ -70,6 +70,36 @@ class TargetOutput:
         return cls(logits, features, best, end.argmax_rows, last)
 
 
+class TargetEnds:
+    """A target's two ends without its decoder: the input embedding and the LM head. Training reads nothing else of
+    the target once its features are cached, so the decoder layers (most of its memory) can go."""
+
+    def __init__(self, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module, softcap: float | None = None):
+        self.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+        self.softcap = softcap
+        self.device = lm_head.weight.device
+        self.dtype = lm_head.weight.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    def logits_from_last(self, last: Tensor, vocab_ids: Tensor | None = None) -> Tensor:
+        """The target's logits [..., V] (float32, soft-capped like its forward) from post-norm hidden states
+        [..., d]; with `vocab_ids` [Vd] only those columns [..., Vd] (a reduced draft vocabulary)."""
+        last = last.to(self.dtype)
+        if vocab_ids is None:
+            logits = self.lm_head(last).float()
+        else:
+            weight = self.lm_head.weight[vocab_ids.to(self.device)]  # [Vd, d]
+            bias = None if self.lm_head.bias is None else self.lm_head.bias[vocab_ids.to(self.device)]
+            logits = torch.nn.functional.linear(last, weight, bias).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
 class TargetModel:
     """A causal LM with a tree-aware KV cache. One sequence at a time (batch size 1)."""
 
@@ -273,13 +303,8 @@ class TargetModel:
     def logits_from_last(self, last: Tensor, vocab_ids: Tensor | None = None) -> Tensor:
         """The target's logits [..., V] (float32, soft-capped like `forward`) from post-norm hidden states [..., d];
         with `vocab_ids` [Vd] only those columns [..., Vd] (a reduced draft vocabulary)."""
-        last = last.to(self.dtype)
-        if vocab_ids is None:
-            logits = self.lm_head(last).float()
-        else:
-            weight = self.lm_head.weight[vocab_ids.to(self.device)]  # [Vd, d]
-            bias = None if self.lm_head.bias is None else self.lm_head.bias[vocab_ids.to(self.device)]
-            logits = torch.nn.functional.linear(last, weight, bias).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return self.ends().logits_from_last(last, vocab_ids)
+
+    def ends(self) -> "TargetEnds":
+        """The input embedding and the LM head alone (they share this target's tensors)."""
+        return TargetEnds(self.embed_tokens, self.lm_head, self.softcap)

@@ -128,6 +128,8 @@ def register(subparsers, model_options=None, sampling_options=None) -> None:
 
 
 def cmd_head(args: argparse.Namespace) -> int:
+    import gc
+
     import torch
 
     from ..models import load_target
@@ -153,6 +155,8 @@ def cmd_head(args: argparse.Namespace) -> int:
     if args.feature_path == "fast":  # the model as decoding loads it, for the fast path's features
         feature_model, _ = load_target(args.model, dtype="bfloat16", one_copy=True)
     trainer = Trainer(config, model, tokenizer, feature_model=feature_model)
+    del model, feature_model  # with cached features the trainer keeps only the embedding and the LM head: free the rest
+    gc.collect()
     if args.resume:
         trainer.resume(None if args.resume == "latest" else Path(args.resume))
     trainer.train()

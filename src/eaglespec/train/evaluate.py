@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 
 from ..heads import DraftHead
-from ..targets.hf import TargetModel
+from ..targets.hf import TargetEnds, TargetModel
 from .losses import next_embeds, shift_left, step_mask
 
 
 @torch.no_grad()
-def draft_accuracy(head: DraftHead, target: TargetModel, source, indices: list[int], steps: int,
+def draft_accuracy(head: DraftHead, target: TargetModel | TargetEnds, source, indices: list[int], steps: int,
                    batch_size: int = 4) -> dict:
     """{"acc": [top-1 accuracy at step 1..k], "tokens": assistant predictions counted at step 1}.
 

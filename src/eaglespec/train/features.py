@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
 from ..errors import CheckpointError
@@ -101,7 +100,7 @@ class FeatureStore:
     def __init__(self, target: TargetModel, examples: list[Example], root: str | Path, model_name: str,
                  dtype: torch.dtype = torch.bfloat16, compute_dtype: torch.dtype | None = None):
         self.examples = examples
-        self.target = target
+        self.feature_kind = target.feature_kind
         self.dtype = dtype  # what the shards store
         self.compute_dtype = None if compute_dtype == target.dtype else compute_dtype  # what the target computes in
         self.want_fused = target.feature_kind == "eagle3"
@@ -125,16 +124,17 @@ class FeatureStore:
         return [ex for k in self._todo()
                 for ex in self.examples[k * self.SHARD_EXAMPLES : (k + 1) * self.SHARD_EXAMPLES]]
 
-    def build(self, bar: tqdm, batch_size: int = 8) -> None:
-        """Compute the missing shards; a shard file appears only when complete, so an interrupted build resumes."""
+    def build(self, target: TargetModel, bar: tqdm, batch_size: int = 8) -> None:
+        """Compute the missing shards with `target` (the one the store was opened with); a shard file appears only
+        when complete, so an interrupted build resumes."""
         todo = self._todo()
         if not todo:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / "meta.json").write_text(json.dumps(
             {"fingerprint": self.fingerprint, "examples": len(self.examples),
-             "feature_kind": self.target.feature_kind, "dtype": str(self.dtype),
-             "computed_in": str(self.compute_dtype or self.target.dtype)}) + "\n")
+             "feature_kind": self.feature_kind, "dtype": str(self.dtype),
+             "computed_in": str(self.compute_dtype or target.dtype)}) + "\n")
         for k in todo:
             idx = list(range(k * self.SHARD_EXAMPLES, min((k + 1) * self.SHARD_EXAMPLES, len(self.examples))))
             # Sort by length inside the shard so batches pad little; rows are stored back in example order.
@@ -144,7 +144,7 @@ class FeatureStore:
             for s in range(0, len(order), batch_size):
                 chunk = order[s : s + batch_size]
                 ids, _, attn = pad_examples([self.examples[i] for i in chunk])
-                last, features = self.target.features_for_batch(ids, attn.long(), self.compute_dtype)
+                last, features = target.features_for_batch(ids, attn.long(), self.compute_dtype)
                 for row, i in enumerate(chunk):
                     n = self.examples[i].input_ids.numel()
                     last_rows[i] = last[row, :n].to("cpu", self.dtype)
@@ -159,31 +159,61 @@ class FeatureStore:
             tmp.rename(self._shard_path(k))
 
     def load(self) -> None:
+        """Map the shards into memory (read-only pages of the files, not copies: the OS pages them in and out, so
+        stores larger than the machine's memory train; a batch copies only its rows)."""
         if not self.examples:
             return
-        lasts, feats = [], []
+        self.shards: list[tuple[Tensor, Tensor | None]] = []  # per shard: last [tokens, d], features [tokens, 3d]
+        self.offsets: list[Tensor] = []  # per shard: [examples + 1] row offsets of its examples
         for k in range(self._n_shards()):
+            path = self._shard_path(k)
             try:
-                shard = load_file(str(self._shard_path(k)))
-            except (SafetensorError, OSError) as exc:
-                raise CheckpointError(
-                    f"feature shard '{self._shard_path(k)}' is missing or corrupt ({exc}); delete it to rebuild"
-                ) from exc
-            lasts.append(shard["last"])
-            if self.want_fused:
-                feats.append(shard["features"])
-        self.last = torch.cat(lasts)  # [all tokens, d]
-        self.features = torch.cat(feats) if feats else None  # [all tokens, 3d] or None (EAGLE-1: = last)
-        lengths = torch.tensor([ex.input_ids.numel() for ex in self.examples])
-        if self.last.shape[0] != int(lengths.sum()):
-            raise CheckpointError(f"feature cache '{self.folder}' does not match its data; delete it to rebuild")
-        self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+                tensors = map_safetensors(path)
+                shard = (tensors["last"], tensors["features"] if self.want_fused else None)
+            except (ValueError, KeyError, OSError, RuntimeError) as exc:
+                raise CheckpointError(f"feature shard '{path}' is missing or corrupt ({exc}); delete it to rebuild") \
+                    from exc
+            examples = self.examples[k * self.SHARD_EXAMPLES : (k + 1) * self.SHARD_EXAMPLES]
+            lengths = torch.tensor([ex.input_ids.numel() for ex in examples])
+            if any(t is not None and t.shape[0] != int(lengths.sum()) for t in shard):
+                raise CheckpointError(f"feature cache '{self.folder}' does not match its data; delete it to rebuild")
+            self.shards.append(shard)
+            self.offsets.append(torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]))
 
     def rows(self, i: int) -> tuple[Tensor, Tensor]:
         """Example i's cached rows: last [n, d] and the head's input features [n, F]."""
-        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
-        src = self.features if self.features is not None else self.last
-        return self.last[lo:hi], src[lo:hi]
+        k, j = divmod(i, self.SHARD_EXAMPLES)
+        last, features = self.shards[k]
+        lo, hi = int(self.offsets[k][j]), int(self.offsets[k][j + 1])
+        src = features if features is not None else last
+        return last[lo:hi], src[lo:hi]
+
+
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def map_safetensors(path: Path) -> dict[str, Tensor]:
+    """The tensors of a safetensors file as views of its pages, mapped copy-on-write (`torch.from_file`): nothing is
+    read until used, and what is read stays file-backed memory the OS can drop. The layout is the format's: an
+    8-byte little-endian header length, a JSON header of dtype, shape and byte offsets, then the data."""
+    size = path.stat().st_size
+    raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)  # [size] bytes
+    if size < 8:
+        raise ValueError("shorter than a safetensors header")
+    n = int.from_bytes(bytes(raw[:8].tolist()), "little")
+    if 8 + n > size:
+        raise ValueError("header runs past the end of the file")
+    header = json.loads(bytes(raw[8 : 8 + n].tolist()))
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        if not 0 <= begin <= end <= size - 8 - n:
+            raise ValueError(f"tensor '{name}' lies outside the file")
+        tensors[name] = raw[8 + n + begin : 8 + n + end].view(dtype).view(info["shape"])
+    return tensors
 
 
 def open_feature_stores(target: TargetModel, files: list[list[Example]], root: str | Path, model_name: str,
@@ -201,7 +231,7 @@ def open_feature_stores(target: TargetModel, files: list[list[Example]], root: s
               file=sys.stderr)
         with tqdm(total=len(missing), desc="target features", unit="conv", disable=not progress) as bar:
             for store in stores:
-                store.build(bar, batch_size)
+                store.build(target, bar, batch_size)
     for store in stores:
         store.load()
     return stores

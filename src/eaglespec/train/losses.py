@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..heads import DraftHead
-from ..targets.hf import TargetModel
+from ..targets.hf import TargetEnds, TargetModel
 from .features import Batch
 
 STEP_DECAY = 0.8
@@ -53,7 +53,8 @@ def next_embeds(embed: nn.Module, batch: Batch) -> Tensor:
     return shift_left(embed(batch.input_ids).float(), 1) * shift_left(batch.attention_mask, 1)[..., None]
 
 
-def eagle1_loss(head: DraftHead, target: TargetModel, batch: Batch, noise: float, generator: torch.Generator,
+def eagle1_loss(head: DraftHead, target: TargetModel | TargetEnds, batch: Batch, noise: float,
+                generator: torch.Generator,
                 feature_weight: float = 1.0, ce_weight: float = 0.1, model: nn.Module | None = None,
                 steps: int = 1) -> LossParts:
     """SmoothL1(predicted f_{t+1}, true f_{t+1}) + ce_weight * soft CE(target p_{t+1}, head's p) on assistant slots.
@@ -85,7 +86,7 @@ def eagle1_loss(head: DraftHead, target: TargetModel, batch: Batch, noise: float
     return LossParts(total, parts, int(step_mask(batch, 0).sum()))
 
 
-def eagle3_loss(head: DraftHead, target: TargetModel, batch: Batch, steps: int,
+def eagle3_loss(head: DraftHead, target: TargetModel | TargetEnds, batch: Batch, steps: int,
                 model: nn.Module | None = None) -> LossParts:
     """Training-time test: sum_j 0.8^j * soft CE(target distribution over the draft vocabulary, head's step-j
     distribution), step j feeding back the head's own step j-1 output."""

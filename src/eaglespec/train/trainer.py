@@ -10,6 +10,7 @@ Output folder layout:
 from __future__ import annotations
 
 import copy
+import gc
 import hashlib
 import json
 import math
@@ -212,9 +213,11 @@ class Trainer:
             raise EagleSpecError("no training conversations left after the held-out split")
         train, held = [examples[i] for i in train_idx], [examples[i] for i in held_idx]
         self.train_examples, self.eval_examples = train, held
+        self.head = self._new_head(train)  # before the feature pass: a head that does not fit fails at once
         self.train_source, self.eval_source = self._sources(files, train_idx, held_idx)
-
-        self.head = self._new_head(train)
+        if config.cache_features:  # every feature is on disk: the losses read only the target's two ends
+            self.target, self.feature_target = self.target.ends(), None
+            gc.collect()  # (the decoder layers go once the caller drops the model too, as the CLI does)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=config.lr, betas=(0.9, 0.95),
                                            weight_decay=config.weight_decay)

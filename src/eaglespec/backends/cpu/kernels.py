@@ -28,6 +28,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -257,10 +258,22 @@ def variant() -> str:
 
 
 def source_digest() -> str:
-    """A short digest of the kernels' sources for this CPU (part of cached measurements' keys)."""
+    """A short digest of the kernels' code for this CPU, comments and blank space aside: part of the keys of cached
+    measurements and of training-feature stores (hours of compute), which an edited comment then keeps."""
     build = isa()
     sources = build.sources if build is not None else ()
-    return hashlib.sha1(b"".join(source.read_bytes() for source in sources)).hexdigest()[:12]
+    return hashlib.sha1("\0".join(code_only(source.read_text()) for source in sources).encode()).hexdigest()[:12]
+
+
+# a C++ comment, or a string or character literal (matched so that a "//" inside one is not taken for a comment)
+_COMMENT_OR_LITERAL = re.compile(r"//[^\n]*|/\*.*?\*/|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'", re.S)
+
+
+def code_only(text: str) -> str:
+    """C++ source without its comments, blank lines and runs of blanks (line breaks kept: they end preprocessor
+    lines)."""
+    text = _COMMENT_OR_LITERAL.sub(lambda m: " " if m.group(0)[0] == "/" else m.group(0), text)
+    return "\n".join(" ".join(line.split()) for line in text.splitlines() if line.strip())
 
 
 def loaded() -> bool:
