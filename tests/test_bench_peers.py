@@ -102,6 +102,10 @@ class LLM:
         env = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS",
                                               "VLLM_ENABLE_V1_MULTIPROCESSING")}
         log("vllm.LLM", kwargs=kw, env=env)
+        if os.environ.get("FAKE_PEER_CHILD"):  # an engine process of its own, as vLLM's engine core can be
+            import subprocess, sys
+            self.child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                          stdin=subprocess.PIPE)
         self.spec = kw.get("speculative_config")
         k = self.spec["num_speculative_tokens"] if self.spec else 0
         self.drafts = self.draft_tokens = self.accepted = 0
@@ -240,7 +244,8 @@ def fake_python(tmp_path, monkeypatch) -> Path:
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("FAKE_PEER_LOG", str(tmp_path / "peer-log.jsonl"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the workers' logs
-    for name in ("EAGLESPEC_VLLM_PYTHON", "EAGLESPEC_OPENVINO_PYTHON", "FAKE_PEER_FAIL", "FAKE_PEER_EXIT"):
+    for name in ("EAGLESPEC_VLLM_PYTHON", "EAGLESPEC_OPENVINO_PYTHON", "FAKE_PEER_FAIL", "FAKE_PEER_EXIT",
+                 "FAKE_PEER_CHILD"):
         monkeypatch.delenv(name, raising=False)
     return python
 
@@ -349,6 +354,24 @@ def test_all_lists_the_peers():
 
 
 # ---- the worker and its protocol ----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not peer_process.CAN_PAUSE, reason="pausing peer workers needs POSIX signals and Linux /proc")
+def test_pausing_stops_every_process_of_the_worker(model_dir, fake_python, monkeypatch):
+    """A peer may run its engine in processes of its own: between requests all of them are stopped, and all run
+    again for a request."""
+    monkeypatch.setenv("FAKE_PEER_CHILD", "1")
+    method = build_peer_method("vllm", context(model_dir, fake_python))
+    tree = peer_process.process_tree(method.process.pid)
+    assert len(tree) == 2 and method.process.paused()
+    assert [peer_process._state(p) for p in tree] == ["T", "T"]
+    method.process.resume()
+    assert not method.process.paused()
+    method.process.pause()
+    assert [peer_process._state(p) for p in tree] == ["T", "T"]
+    prompt = [5, 9, 12]
+    assert method.generate(prompt, 10, Sampling()).tokens == fake_answer(prompt, 10, {1})
+    assert [peer_process._state(p) for p in tree] == ["T", "T"]
 
 
 def test_vllm_peer_runs_token_ids_through_the_worker(model_dir, fake_python):

@@ -50,6 +50,14 @@ def process_tree(pid: int) -> list[int]:
     return seen
 
 
+def _state(pid: int) -> str | None:
+    """A process's one-letter state from /proc ("T": stopped), None where it is gone or /proc is missing."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def reset_peak_rss(pid: int) -> bool:
     """Reset the resident-set high-water mark of `pid`'s processes; False where that is not possible."""
     ok = True
@@ -172,11 +180,10 @@ class PeerProcess:
             _signal_tree(self.pid, signal.SIGCONT)
 
     def paused(self) -> bool:
-        """Whether the worker's main process is stopped (Linux; False elsewhere)."""
-        try:
-            return Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-        except (OSError, IndexError):
-            return False
+        """Whether the worker's processes (its main one and any it started) are all stopped (Linux; False
+        elsewhere)."""
+        states = [_state(p) for p in process_tree(self.pid)]
+        return states[0] == "T" and all(state in ("T", None) for state in states)  # (None: exited meanwhile)
 
     def _read(self, timeout: float | None, what: str, progress: bool = False) -> dict:
         """The next JSON line from the worker; an error if it exits, prints something else or takes too long."""
