@@ -23,12 +23,11 @@ import statistics
 import time
 
 import torch
-from ab_kernels import build
+from ab_kernels import SHAPES, build
 
 from eaglespec.backends.cpu import kernels
 
 # hidden, intermediate, fused q/k/v outputs, vocabulary, layers of the models whose products a step can time
-SHAPES = {"smollm2-135m": (576, 1536, 960, 49152, 30), "qwen2.5-coder-1.5b": (1536, 8960, 2048, 151936, 28)}
 
 p = argparse.ArgumentParser()
 p.add_argument("--rev", required=True, help="the git revision to compare against (e.g. a commit before a change)")

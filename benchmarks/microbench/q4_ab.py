@@ -5,21 +5,22 @@ weights) are timed for each number of rows, the two builds alternating call by c
 affects both alike.
 
     python benchmarks/microbench/q4_ab.py --against 823231a~1 [--rows 1,2,3,4,6,8] [--repeats 30] [--threads 2]
-        [--random]
+        [--random [--shapes qwen2.5-coder-1.5b]]
 
 --against takes a revision of the per-ISA layout (src/eaglespec/backends/cpu/csrc/ since git 823231a,
 src/eaglespec/csrc/ from e9119e2 until then; the 4-bit product is common/q4_gemm.h over <isa>/q4_gemm.h); revisions of
 the older flat layout (csrc/avx2/q4_gemm.cpp, e.g. d1b9b2b~1) are refused. Both versions are the build this CPU loads
 (eaglespec.backends.cpu.kernels.isa(): AVX-512 micro-kernels since they exist, AVX2 ones before, compiled with the
 AVX-512 flags; EAGLESPEC_KERNEL_ISA=avx2 picks the AVX2 build), with the working tree's flags for it. --random times
-random exact 4-bit blocks of the step's shapes instead of the real weights (no model download). Prints the median
+random exact 4-bit blocks of the step's shapes instead of the real weights (no model download); with --shapes, those
+of another model's layer matrices (qwen2.5-coder-1.5b: 28 layers, 1.3 billion weights, 0.8 GB packed). Prints the median
 milliseconds of a step's layer products (the LM head is not included) for each build.
 """
 
 import argparse
 
 import torch
-from ab_kernels import operator_pair, time_alternating
+from ab_kernels import SHAPES, operator_pair, time_alternating
 
 from eaglespec.backends.cpu import kernels, q4
 
@@ -30,6 +31,7 @@ p.add_argument("--repeats", type=int, default=30)
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--random", action="store_true",
                help="random exact 4-bit blocks of the step's shapes instead of SmolLM2-135M's weights")
+p.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2-135m", help="with --random: whose layer shapes")
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 if not q4.available():
@@ -48,7 +50,8 @@ def random_blocks(n: int, k: int, generator: torch.Generator) -> q4.Blocks:
 
 if args.random:
     generator = torch.Generator().manual_seed(0)
-    all_blocks = [random_blocks(n, k, generator) for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30]
+    d, inter, qkv, _, n_layers = SHAPES[args.shapes]
+    all_blocks = [random_blocks(n, k, generator) for n, k in [(qkv, d), (d, d), (2 * inter, d), (d, inter)] * n_layers]
 else:
     from step_matrices import step_matrices
 
@@ -59,7 +62,7 @@ else:
 # working tree's Q4Linear is not used, as it would load the real torch.ops.eaglespec build as well
 layers = [(q4.q4_pack(blocks), *blocks.q.shape) for blocks in all_blocks]
 torch.manual_seed(0)
-inputs = {k: torch.randn(16, k).bfloat16() for k in (576, 1536)}
+inputs = {k: torch.randn(16, k).bfloat16() for k in {k for _, _, k in layers}}
 
 for index in (0, 2, 3):  # fused QKV, gate/up, down of layer 0
     (packed, n, k), exact_weight = layers[index], all_blocks[index].weight().double()
@@ -71,7 +74,8 @@ for index in (0, 2, 3):  # fused QKV, gate/up, down of layer 0
         invariant = all(torch.equal(op(x[:m], packed, n, None), y[:m]) for m in range(1, 10))
         print(f"matrix {index} {name}: max relative error {error:.2e}, row-invariant {invariant}")
 
-print(f"{len(layers)} products ({'random 4-bit blocks' if args.random else 'SmolLM2-135M'}), {ISA.name} build, "
+source = f"random 4-bit blocks, {args.shapes}" if args.random else "SmolLM2-135M"
+print(f"{len(layers)} products ({source}), {ISA.name} build, "
       f"{args.threads} threads, medians of {args.repeats} interleaved rounds (ms)")
 
 
