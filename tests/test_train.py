@@ -554,6 +554,10 @@ def test_feature_shards_are_mapped_from_their_files_not_copied(tmp_path):
     path.write_bytes(b"\xff" * 16)
     with pytest.raises(ValueError, match="header"):
         map_safetensors(path)
+    header = b'{"last": 1}'
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(TypeError):  # (a store turns each of these into "missing or corrupt ... delete it to rebuild")
+        map_safetensors(path)
 
 
 # ---- checkpoints, vocabulary, export -------------------------------------------------------------------------

@@ -170,7 +170,7 @@ class FeatureStore:
             try:
                 tensors = map_safetensors(path)
                 shard = (tensors["last"], tensors["features"] if self.want_fused else None)
-            except (ValueError, KeyError, OSError, RuntimeError) as exc:
+            except (ValueError, KeyError, TypeError, OSError, RuntimeError) as exc:
                 raise CheckpointError(f"feature shard '{path}' is missing or corrupt ({exc}); delete it to rebuild") \
                     from exc
             examples = self.examples[k * self.SHARD_EXAMPLES : (k + 1) * self.SHARD_EXAMPLES]
