@@ -128,3 +128,19 @@ def test_the_source_digest_reads_code_not_comments():
     assert bf16gemm.code_only(code) != bf16gemm.code_only(code.replace('"a//b"', '"a//c"'))
     assert bf16gemm.code_only(code) != bf16gemm.code_only(code.replace("\\\n  (2", "\n  (2"))  # ends the #define
     assert re.fullmatch(r"[0-9a-f]{12}", bf16gemm.source_digest())
+
+
+def test_a_kernel_build_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch, capsys):
+    """An interrupted first build leaves torch's lock file behind and every later process would wait on it forever:
+    an old lock goes (with a message), a recent one stays (a build may be running), no lock is no action."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = Path(_get_build_directory("eaglespec_lock_test", verbose=False)) / "lock"
+    assert not bf16gemm.clear_stale_build_lock("eaglespec_lock_test")
+    lock.touch()
+    assert not bf16gemm.clear_stale_build_lock("eaglespec_lock_test") and lock.exists()
+    old = lock.stat().st_mtime - bf16gemm.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert bf16gemm.clear_stale_build_lock("eaglespec_lock_test") and not lock.exists()
+    assert "interrupted build" in capsys.readouterr().err

@@ -139,6 +139,31 @@ def available(dtype: torch.dtype, device: torch.device | str) -> bool:
             and envs.bf16_gemm_enabled())
 
 
+STALE_LOCK_S = 600  # a build takes 15-40 s on 2 cores: a lock this old was left by a build that was killed
+
+
+def clear_stale_build_lock(name: str, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove the lock file of torch's extension build `name` where it is older than `max_age_s`: a build that was
+    interrupted (Ctrl-C, a killed process) leaves it behind, and every later process would then wait for it forever.
+    Returns whether a lock was removed."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # (where torch's build keeps its lock file)
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    except (ImportError, OSError):
+        return False
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:  # no lock: nothing to do
+        return False
+    if age < max_age_s:
+        return False  # (another process may be building right now)
+    print(f"eaglespec: removing a kernel build lock left {age / 60:.0f} min ago by an interrupted build ({lock})",
+          file=sys.stderr)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 @functools.cache
 def load() -> None:
     """Build (first time only) and load the kernels; registers torch.ops.eaglespec.bf16_*, tree_attention,
@@ -151,6 +176,7 @@ def load() -> None:
     print(f"eaglespec: loading its bfloat16 kernel ({build_isa.name}; built on first use, ~15-40 s)", file=sys.stderr,
           flush=True)
     name = "eaglespec_kernels" if build_isa.name == "avx512" else f"eaglespec_kernels_{build_isa.name}"
+    clear_stale_build_lock(name)
     try:
         # (only the translation unit is compiled; torch's ninja build tracks the headers it includes)
         units = [str(source) for source in build_isa.sources if source.suffix == ".cpp"]
