@@ -15,6 +15,7 @@ from eaglespec.errors import EagleSpecError
 
 AVX512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
 AVX2 = {"avx", "avx2", "fma", "f16c"}
+AMX = AVX512 | {"amx_tile", "amx_bf16", "amx_int8"}
 
 
 @pytest.fixture
@@ -25,11 +26,17 @@ def flags(monkeypatch):
         bf16gemm.isa.cache_clear()
 
     monkeypatch.delenv(bf16gemm.ISA_ENV, raising=False)
+    monkeypatch.setattr(bf16gemm, "amx_tiles_granted", lambda: True)
     yield set_flags
     bf16gemm.isa.cache_clear()
 
 
-def test_the_widest_build_the_cpu_runs(flags):
+def test_the_widest_build_the_cpu_runs(flags, monkeypatch):
+    flags(AMX)
+    assert bf16gemm.isa().name == "amx" and bf16gemm.isa().variants == ("dpbf16", "fma")
+    monkeypatch.setattr(bf16gemm, "amx_tiles_granted", lambda: False)  # Linux did not grant the tiles
+    flags(AMX)
+    assert bf16gemm.isa().name == "avx512"
     flags(AVX512)
     assert bf16gemm.isa().name == "avx512" and bf16gemm.isa().variants == ("dpbf16", "fma")
     flags(AVX2)
@@ -47,11 +54,16 @@ def test_the_avx2_build_can_be_forced_but_not_a_missing_one(flags, monkeypatch):
     flags(AVX512)
     assert bf16gemm.isa().name == "avx2"  # to test or compare it on an AVX-512 machine
     monkeypatch.setenv(bf16gemm.ISA_ENV, "avx512")
+    flags(AMX)
+    assert bf16gemm.isa().name == "avx512"  # on an AMX machine
     flags(AVX2)
     assert bf16gemm.isa() is None  # the CPU cannot run it
+    monkeypatch.setenv(bf16gemm.ISA_ENV, "amx")
+    flags(AVX512)
+    assert bf16gemm.isa() is None
     monkeypatch.setenv(bf16gemm.ISA_ENV, "sse")
     flags(AVX2)
-    with pytest.raises(EagleSpecError, match="use auto, avx512, avx2"):
+    with pytest.raises(EagleSpecError, match="use auto, amx, avx512, avx2"):
         bf16gemm.isa()
 
 
@@ -83,8 +95,9 @@ def test_each_build_is_one_translation_unit_over_shared_host_code():
         assert build.sources[0] == unit and [s for s in build.sources if s.suffix == ".cpp"] == [unit]
         assert len(set(build.sources)) == len(build.sources) and set(build.sources) == included(unit)
         for operator in OPERATORS:
-            assert {bf16gemm.CSRC / "common" / f"{operator}.h", bf16gemm.CSRC / name / f"{operator}.h"} <= set(
-                build.sources), (name, operator)
+            own = bf16gemm.CSRC / name / f"{operator}.h"  # (the AMX build: AVX-512's where it has none of its own)
+            micro = own if name != "amx" or own.exists() else bf16gemm.CSRC / "avx512" / f"{operator}.h"
+            assert {bf16gemm.CSRC / "common" / f"{operator}.h", micro} <= set(build.sources), (name, operator)
         assert {bf16gemm.CSRC / "common" / f"{shared}.h" for shared in ("ops", "commit_rows")} <= set(build.sources)
         assert build.has_q4
         # the CPU flags and compiler flags the AVX2 source needs (-mavx512f implies -mavx2, not -mf16c)
@@ -95,7 +108,7 @@ def test_both_builds_have_the_4bit_product(flags, monkeypatch):
     """eaglespec.backends.cpu.q4 runs wherever a build of the kernels does (AVX-512 CPUs included), unless turned
     off."""
     monkeypatch.delenv(q4.ENV, raising=False)
-    for cpu in (AVX512, AVX2):
+    for cpu in (AMX, AVX512, AVX2):
         flags(cpu)
         assert bf16gemm.isa().has_q4 and q4.available()
     flags({"sse4_2", "avx"})

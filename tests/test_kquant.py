@@ -131,15 +131,16 @@ def test_super_blocks_pack_rebuild_the_weights_and_are_row_invariant(n, k):
 
 
 def assert_exact_and_row_invariant(layer, weight: torch.Tensor, bias: torch.Tensor) -> None:
-    """The product of 11 bfloat16 rows is the exact one (float64) up to bfloat16 and float32 rounding, and each row's
-    bits are the same alone, in the first r rows or after other rows (tiles of 8 rows on AVX-512: 9-11 take two)."""
+    """The product of 19 bfloat16 rows is the exact one (float64) up to bfloat16 and float32 rounding, and each row's
+    bits are the same alone, in the first r rows or after other rows (tiles of 8 rows on AVX-512: 9-16 take two; of
+    16 rows in the AMX build: 17-19 take two)."""
     k = weight.shape[1]
-    x = torch.randn(11, k).bfloat16()
+    x = torch.randn(19, k).bfloat16()
     whole = layer(x)
     exact = x.double() @ weight.double().T + bias.double()
     bound = exact.abs() * 2**-8 + 1e-5 * k * (x.double().abs() @ weight.double().abs().T)
     assert ((whole.double() - exact).abs() <= bound).all()
-    for rows in range(1, 11):
+    for rows in range(1, 19):
         assert torch.equal(layer(x[:rows]), whole[:rows]), rows
         assert torch.equal(layer(x[rows : rows + 1]), whole[rows : rows + 1]), rows
 

@@ -73,15 +73,18 @@ def test_kernel_rebuilds_the_weights_and_is_row_invariant(n, k):
     assert torch.equal(torch.ops.eaglespec.q4_unpack(packed, n, k), weight)
     bias = torch.randn(n)
     layer = q4.Q4Linear(blocks, bias)
-    x = torch.randn(11, k).bfloat16()
-    whole = layer(x)  # [11, n] bfloat16
+    x = torch.randn(19, k).bfloat16()
+    whole = layer(x)  # [19, n] bfloat16
     exact = x.double() @ weight.double().T + bias.double()
     bound = exact.abs() * 2**-8 + 1e-5 * k * (x.double().abs() @ weight.double().abs().T)
     assert whole.dtype == torch.bfloat16 and ((whole.double() - exact).abs() <= bound).all()
-    for rows in range(1, 11):  # passes of up to 4 rows (5 = 2 + 3, 9 = 3 + 3 + 3), 1-4 rows with their own loops
+    # AVX2: passes of up to 4 rows (5 = 2 + 3, 9 = 3 + 3 + 3), 1-4 rows with their own loops; AVX-512: tiles of up to
+    # 8 rows; AMX: tiles of up to 16 (17-19 take two)
+    for rows in range(1, 19):
         assert torch.equal(layer(x[:rows]), whole[:rows]), rows
     assert torch.equal(layer(x[7:8]), whole[7:8])
-    assert torch.equal(layer(x.view(1, 11, k))[0], whole)
+    assert torch.equal(layer(x[17:18]), whole[17:18])
+    assert torch.equal(layer(x.view(1, 19, k))[0], whole)
 
 
 @needs_kernel

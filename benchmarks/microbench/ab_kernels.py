@@ -111,12 +111,16 @@ def build(rev: str | None, namespace: str, isa: Isa):
     return getattr(torch.ops, namespace), what
 
 
-def operator_pair(against: str, op: str, isa: Isa) -> dict:
-    """{"this": the working tree's operator `op`, against: revision `against`'s}, each from its own build (`build`);
-    exits with a message where a build lacks the operator."""
+def operator_pair(against: str, op: str, isa: Isa, against_isa: Isa | None = None) -> dict:
+    """{"this": the working tree's operator `op`, against: revision `against`'s}, each from its own build (`build`),
+    the revision's for `against_isa` where given (another build of the kernels, e.g. the AVX-512 build against the
+    AMX one on an AMX CPU), else for `isa`; exits with a message where a build lacks the operator."""
     ops = {}
-    for name, rev, namespace in (("this", None, "eaglespec_ab_new"), (against, against, "eaglespec_ab_old")):
-        library, what = build(rev, namespace, isa)
+    other = against_isa or isa
+    label = against if other is isa else f"{against} {other.name}"
+    for name, rev, namespace, build_isa in (("this", None, "eaglespec_ab_new", isa),
+                                            (label, against, "eaglespec_ab_old", other)):
+        library, what = build(rev, namespace, build_isa)
         if not hasattr(library, op):
             raise SystemExit(f"{what}: no {op} operator")
         ops[name] = getattr(library, op)

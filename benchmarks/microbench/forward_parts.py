@@ -1,14 +1,18 @@
-"""A compiled bfloat16 decode step of SmolLM2-135M split into its matrix products, its attention and the rest, for
-1 and 4 tokens (a plain step and a 4-token verify pass), interleaved in one process.
+"""A bfloat16 decode step of a target (SmolLM2-135M by default) split into its matrix products, its attention and the
+rest, for 1 and 4 tokens (a plain step and a 4-token verify pass), interleaved in one process.
 
-    python benchmarks/microbench/forward_parts.py [--threads 2] [--context 300] [--rows 1,4] [--repeats 12] [--greedy]
+    python benchmarks/microbench/forward_parts.py [--model smollm2-135m] [--threads 2] [--context 300] [--rows 1,4]
+        [--repeats 12] [--greedy] [--features eagle3]
 
 "products" runs the target's own packed products (the same weights, in the step's order: bfloat16 or, on AVX2, exact
-4-bit blocks, eaglespec.backends.cpu.q4) on random rows, calling the operator directly (still ~1-3 us of Python a call
-more than the graph: "other" is a lower estimate); "LM head" is the full LM head's logits, or with --greedy (the steps
+4-bit blocks, eaglespec.backends.cpu.q4, or a GGUF's 4- and 6-bit blocks for a model converted from one) on random
+rows, calling each product module (~1-3 us of Python a call more than the kernels' decoder stack: "other" is a lower
+estimate); "LM head" is the full LM head's logits, or with --greedy (the steps
 greedy decoding runs, as the bench's) the screened greedy head (eaglespec.backends.cpu.kernels.GreedyHead); "attention"
-the decode-step attention kernel over the target's cache for 30 layers; "other" is the step's time left (norms, RoPE,
-cache writes, the compiled call, the Python around it). Needs the bfloat16 kernels (AVX-512 BF16 or AVX2 + FMA).
+the decode-step attention kernel over the target's cache for every layer; "other" is the step's time left (norms, RoPE,
+cache writes, the features a draft head reads (--features), the Python around it). Needs the bfloat16 kernels
+(AVX-512 BF16 or AVX2 + FMA). Where the layers run as the kernels' decoder stack (the default there), --compile is
+not needed; the target is built as `make_target` builds it.
 """
 
 import argparse
@@ -17,11 +21,13 @@ import time
 
 import torch
 
-from eaglespec.backends.cpu import q4
 from eaglespec.models import load_target
 from eaglespec.targets.fast import FastTarget
 
 p = argparse.ArgumentParser()
+p.add_argument("--model", default="smollm2-135m")
+p.add_argument("--features", choices=["none", "final", "eagle3"], default="none",
+               help="what the step also returns for a draft head (eagle2 with an EAGLE-3 head: eagle3)")
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--context", type=int, default=300)
 p.add_argument("--rows", default="1,4")
@@ -29,17 +35,18 @@ p.add_argument("--repeats", type=int, default=12)
 p.add_argument("--greedy", action="store_true")
 args = p.parse_args()
 torch.set_num_threads(args.threads)
-model, tokenizer = load_target("smollm2-135m", dtype="bfloat16")
-target = FastTarget(model, None, compile=True)
+model, tokenizer = load_target(args.model, dtype="bfloat16")
+target = FastTarget(model, None if args.features == "none" else args.features, compile=True)
 assert target.bf16_gemm, "needs the bfloat16 kernels (AVX-512 BF16 or AVX2 + FMA, a C++ compiler)"
 target.warm_up()
+d, (H, _, hd) = target.hidden_size, (target.n_heads, target.n_kv, target.head_dim)
 prefix = tokenizer("Write a poem about the sea and the sky and the stars. " * (args.context // 10 + 1))["input_ids"]
 target.forward(torch.tensor(prefix[: args.context]))
 target.commit()
 c = target.cache_len
-products = [(linear, 576 if name != "down" else 1536) for layer in target.layers
-            for name, linear in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down))]
-print(f"layer matrices as exact 4-bit blocks: {target.q4_matrices}")
+products = [linear for layer in target.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+print(f"{args.model}: layer matrices as exact 4-bit blocks: {target.q4_matrices}, as 6-bit codes: "
+      f"{target.q6_matrices}; layers as one kernel call: {target.kernel_stack is not None}")
 
 
 def step(n: int) -> None:
@@ -49,16 +56,13 @@ def step(n: int) -> None:
 
 
 def matmuls(n: int) -> None:
-    xs = {576: torch.randn(n, 576).bfloat16(), 1536: torch.randn(n, 1536).bfloat16()}
-    for linear, k in products:  # the operator itself, as the compiled graph calls it (no module call around it)
-        if isinstance(linear, q4.Q4Linear):
-            torch.ops.eaglespec.q4_linear(xs[k], linear.packed, linear.out_features, linear.bias)
-        else:
-            torch.ops.eaglespec.bf16_linear(xs[k], linear.packed, linear.out_features, linear.bias, linear.variant)
+    xs = {k: torch.randn(n, k).bfloat16() for k in {linear.in_features for linear in products}}
+    for linear in products:
+        linear(xs[linear.in_features])
 
 
 def lm_head(n: int) -> None:
-    x = torch.randn(n, 576).bfloat16()
+    x = torch.randn(n, d).bfloat16()
     if args.greedy:
         target.greedy_head(x)
     else:
@@ -67,7 +71,7 @@ def lm_head(n: int) -> None:
 
 
 def attention(n: int) -> None:
-    q, mask = torch.randn(9, n, 64), torch.ones(n, n, dtype=torch.bool).tril() if n > 1 else None
+    q, mask = torch.randn(H, n, hd), torch.ones(n, n, dtype=torch.bool).tril() if n > 1 else None
     for keys, values in zip(target.layer_keys, target.layer_values):
         torch.ops.eaglespec.tree_attention(q, keys[:, :, : c + n], values[:, : c + n], mask)
 

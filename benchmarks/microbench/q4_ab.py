@@ -5,7 +5,7 @@ weights) are timed for each number of rows, the two builds alternating call by c
 affects both alike.
 
     python benchmarks/microbench/q4_ab.py --against 823231a~1 [--rows 1,2,3,4,6,8] [--repeats 30] [--threads 2]
-        [--random [--shapes qwen2.5-coder-1.5b]]
+        [--random [--shapes qwen2.5-coder-1.5b]] [--against-isa avx512]
 
 --against takes a revision of the per-ISA layout (src/eaglespec/backends/cpu/csrc/ since git 823231a,
 src/eaglespec/csrc/ from e9119e2 until then; the 4-bit product is common/q4_gemm.h over <isa>/q4_gemm.h); revisions of
@@ -13,8 +13,10 @@ the older flat layout (csrc/avx2/q4_gemm.cpp, e.g. d1b9b2b~1) are refused. Both 
 (eaglespec.backends.cpu.kernels.isa(): AVX-512 micro-kernels since they exist, AVX2 ones before, compiled with the
 AVX-512 flags; EAGLESPEC_KERNEL_ISA=avx2 picks the AVX2 build), with the working tree's flags for it. --random times
 random exact 4-bit blocks of the step's shapes instead of the real weights (no model download); with --shapes, those
-of another model's layer matrices (qwen2.5-coder-1.5b: 28 layers, 1.3 billion weights, 0.8 GB packed). Prints the median
-milliseconds of a step's layer products (the LM head is not included) for each build.
+of another model's layer matrices (qwen2.5-coder-1.5b: 28 layers, 1.3 billion weights, 0.8 GB packed). --against-isa
+builds the revision for another instruction set than this CPU's default (on an AMX CPU, `--against HEAD --against-isa
+avx512` times the AMX build's product against the AVX-512 build's). Prints the median milliseconds of a step's layer
+products (the LM head is not included) for each build.
 """
 
 import argparse
@@ -22,6 +24,7 @@ import argparse
 import torch
 from ab_kernels import SHAPES, operator_pair, time_alternating
 
+from eaglespec import platform
 from eaglespec.backends.cpu import kernels, q4
 
 p = argparse.ArgumentParser()
@@ -32,13 +35,17 @@ p.add_argument("--threads", type=int, default=2)
 p.add_argument("--random", action="store_true",
                help="random exact 4-bit blocks of the step's shapes instead of SmolLM2-135M's weights")
 p.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2-135m", help="with --random: whose layer shapes")
+p.add_argument("--against-isa", choices=sorted(kernels.ISAS), help="build the revision for this instruction set")
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 if not q4.available():
     raise SystemExit("the 4-bit block product needs a CPU with AVX2 + FMA + F16C (or AVX-512), and EAGLESPEC_Q4 not 0")
 ISA = kernels.isa()
 
-ops = operator_pair(args.against, "q4_linear", ISA)
+against_isa = kernels.ISAS[args.against_isa] if args.against_isa else None
+if against_isa is not None and not against_isa.cpu_flags <= platform.cpu_flags():
+    raise SystemExit(f"this CPU cannot run the {against_isa.name} build")
+ops = operator_pair(args.against, "q4_linear", ISA, against_isa)
 
 
 def random_blocks(n: int, k: int, generator: torch.Generator) -> q4.Blocks:

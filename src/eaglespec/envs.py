@@ -4,7 +4,7 @@
 |---|---|---|
 | `EAGLESPEC_CACHE` | `$XDG_CACHE_HOME/eaglespec` or `~/.cache/eaglespec` | where assembled and converted models, the exact 4-bit packing of their layer matrices, tree calibrations and the kernels' loop choice are kept |
 | `EAGLESPEC_API_KEY` | unset | `eaglespec serve`: the key clients must send (`Authorization: Bearer KEY`); `--api-key` wins |
-| `EAGLESPEC_KERNEL_ISA` | `auto` | which build of the C++ kernels to use: `auto` (the best the CPU runs), `avx512`, `avx2` (e.g. to compare the AVX2 build on an AVX-512 CPU) |
+| `EAGLESPEC_KERNEL_ISA` | `auto` | which build of the C++ kernels to use: `auto` (the best the CPU runs), `amx`, `avx512`, `avx2` (e.g. to compare the AVX-512 build on an AMX CPU, or the AVX2 build on either) |
 | `EAGLESPEC_BF16_GEMM` | `1` | `0` turns eaglespec's C++ kernels off (bfloat16 products, decode-step attention, greedy head): torch's products and row-by-row attention are used instead |
 | `EAGLESPEC_BF16_KERNEL` | `auto` | the bfloat16 product's multiply loop on AVX-512 BF16: `auto` (measured once per machine), `dpbf16`, `fma` |
 | `EAGLESPEC_DRAFT_INT8` | `1` | `0`: a draft head's LM-head rows in bfloat16 instead of an int8 copy (drafts only; the output cannot change) |

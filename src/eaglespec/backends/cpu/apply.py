@@ -54,7 +54,7 @@ class TargetKernels:
 
     def hardware_class(self, device: torch.device) -> str:
         """The key of the per-machine tree defaults (drafters.autotree.DEFAULT_TREES): "gpu", or this CPU's kernel
-        build ("avx512", "avx2"), else "cpu"."""
+        build ("amx", "avx512", "avx2"), else "cpu"."""
         if device.type == "cuda":
             return "gpu"
         build = kernels.isa()

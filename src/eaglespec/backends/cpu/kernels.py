@@ -17,6 +17,9 @@ faster once per machine and caches the choice; $EAGLESPEC_BF16_KERNEL=dpbf16|fma
 2-vCPU Intel Emerald Rapids VM vdpbf16ps issued at half the FMA rate, and the FMA loop did 12 rows' arithmetic 1.4x
 faster (`benchmarks/microbench/kernel_variants.py`).
 
+On a CPU with AMX (Intel Xeons from Sapphire Rapids on) the AMX build runs: the AVX-512 build with the 4-bit block
+and 6-bit code products through AMX tiles, whose rows ride along with one row's weight unpacking (csrc/amx/).
+
 The C++ sources are compiled on first use with torch's extension builder (g++, one translation unit a build: 15-40 s
 on 2 cores; cached under ~/.cache/torch_extensions) and register `torch.ops.eaglespec.bf16_linear`, an operator
 torch.compile keeps as one call in its graphs (`register_fake` below gives it shapes).
@@ -91,22 +94,52 @@ def _sources(folder: str) -> tuple[Path, ...]:
             + tuple(CSRC / folder / f"{name}.h" for name in MICRO_KERNELS))
 
 
-ISAS = {
-    "avx512": Isa("avx512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
-                                       "avx2", "fma", "f16c"}),
-                  _sources("avx512"),
-                  ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
-                   "-mfma", "-mf16c", "-fopenmp"), ("dpbf16", "fma")),
+# The AMX build: the AVX-512 build with the 4-bit block and 6-bit code products through AMX tiles (csrc/amx/:
+# a verify pass's rows ride along with one row's weight unpacking, where vdpbf16ps is slow for the memory, as on
+# Intel Xeons with AMX). Its sums differ from the AVX-512 build's in the last bits, as the AVX2 build's do.
+AMX_SOURCES = ((CSRC / "amx" / "kernels.cpp",) + COMMON_SOURCES
+               + tuple(CSRC / "amx" / f"{name}.h" for name in ("tiles", "q4_gemm", "q6_gemm"))
+               + tuple(CSRC / "avx512" / f"{name}.h" for name in MICRO_KERNELS))
+AVX512_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
+                "-mfma", "-mf16c", "-fopenmp")
+AVX512_CPU = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c"})
+
+ISAS = {  # in order of preference
+    "amx": Isa("amx", AVX512_CPU | {"amx_tile", "amx_bf16"}, AMX_SOURCES,
+               AVX512_FLAGS + ("-mamx-tile", "-mamx-bf16"), ("dpbf16", "fma")),
+    "avx512": Isa("avx512", AVX512_CPU, _sources("avx512"), AVX512_FLAGS, ("dpbf16", "fma")),
     "avx2": Isa("avx2", frozenset({"avx2", "fma", "f16c"}), _sources("avx2"),
                 ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"), ("fma",)),
 }
 ISA_ENV = envs.KERNEL_ISA  # avx2 forces the AVX2 build on an AVX-512 CPU (to test or compare it)
+ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158  # Linux x86-64
+
+
+@functools.cache
+def amx_tiles_granted() -> bool:
+    """Whether Linux lets this process use AMX tiles: it must ask once (arch_prctl ARCH_REQ_XCOMP_PERM); a kernel
+    before 5.16, or a VM that does not pass the state through, says no."""
+    import ctypes
+    import platform
+
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _runs(build: Isa, flags: set[str]) -> bool:
+    return build.cpu_flags <= flags and (build.name != "amx" or amx_tiles_granted())
 
 
 @functools.cache
 def isa() -> Isa | None:
-    """The kernels' build for this CPU: AVX-512 where it has AVX-512 BF16 and VNNI, else AVX2 + FMA, else None
-    ($EAGLESPEC_KERNEL_ISA=avx2 picks the AVX2 build where both would run)."""
+    """The kernels' build for this CPU: AMX where it has AMX-BF16 (and the AVX-512 build's flags) and Linux grants
+    the tiles, else AVX-512 where it has AVX-512 BF16 and VNNI, else AVX2 + FMA, else None ($EAGLESPEC_KERNEL_ISA
+    picks another build where it would run: avx512 on an AMX CPU, avx2 on either)."""
     from ...platform import cpu_flags
 
     flags = cpu_flags()
@@ -114,8 +147,8 @@ def isa() -> Isa | None:
     if forced != "auto":
         if forced not in ISAS:
             raise EagleSpecError(f"{ISA_ENV}={forced!r} is not a kernel build; use auto, {', '.join(ISAS)}")
-        return ISAS[forced] if ISAS[forced].cpu_flags <= flags else None
-    return next((build for build in ISAS.values() if build.cpu_flags <= flags), None)
+        return ISAS[forced] if _runs(ISAS[forced], flags) else None
+    return next((build for build in ISAS.values() if _runs(build, flags)), None)
 
 
 def cpu_supported() -> bool:

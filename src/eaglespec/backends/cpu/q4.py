@@ -15,7 +15,7 @@ A GGUF file's Q4_K matrices have the same form with d = d' sc and m = -(dmin mn)
 sc and mn 6-bit integers); eaglespec.backends.cpu.kquant reads them from the file as `SuperBlocks`, packed as they are
 in 18.5 bytes per 32 weights (the file's 18), the kernels multiplying d' sc and dmin mn out exactly in float32.
 
-Used by bfloat16 fast targets wherever eaglespec's kernels run (`available`: both builds have it; their sums differ
+Used by bfloat16 fast targets wherever eaglespec's kernels run (`available`: every build has it; their sums differ
 in the last bits, each row-invariant); $EAGLESPEC_Q4=0 turns it off (the layers then use the bfloat16 kernel).
 Weights without either form (a model from safetensors, a Q8_0 tensor) stay on the bfloat16 kernel, layer matrix by
 layer matrix; a GGUF file's Q6_K and Q5_0 tensors run as 6-bit codes (eaglespec.backends.cpu.q6).
@@ -38,7 +38,7 @@ ENV = envs.Q4
 
 
 def available() -> bool:
-    """True where Q4Linear runs: this CPU loads a build of the kernels with the 4-bit product (both builds have it)
+    """True where Q4Linear runs: this CPU loads a build of the kernels with the 4-bit product (every build has it)
     and $EAGLESPEC_Q4 is not 0."""
     build = kernels.isa()
     return build is not None and build.has_q4 and envs.q4_enabled()
@@ -139,7 +139,7 @@ def _by_group(values: Tensor, groups: int) -> Tensor:
 
 
 def q4_pack(blocks: Blocks | SuperBlocks) -> Tensor:
-    """csrc/common/shared.h's layouts (both builds' micro-kernels read them), uint8:
+    """csrc/common/shared.h's layouts (every build's micro-kernels read them), uint8:
     - `Blocks` (float16 d and m): [ceil(N/32), K/32, 640]; per group-block d (32 float16), m (32 float16), then the
       q as uint32 words [4 octets][32 columns] whose nibble i holds q[column][32 b + 8 octet + i];
     - `SuperBlocks` (Q4_K): [ceil(N/32), K/256, 4736]; per group-super-block d (32 float16), dmin (32 float16), then

@@ -8,8 +8,9 @@ for bit against gguf's dequantization, `Codes.weight`); `Q6Linear` multiplies th
 row's sums in a fixed order whatever else is in the call (row-invariant). Qwen2.5-Coder-1.5B's Q4_K_M file keeps
 half of its ffn_down matrices in Q6_K; its 0.5B sibling keeps most of its matrices in Q5_0.
 
-Used by bfloat16 fast targets wherever eaglespec's kernels run (`available`, as eaglespec.backends.cpu.q4); the two
-builds' sums differ in the last bits, each row-invariant. $EAGLESPEC_Q4=0 turns it off with the 4-bit product.
+Used by bfloat16 fast targets wherever eaglespec's kernels run (`available`, as eaglespec.backends.cpu.q4); the
+builds' sums (AVX2, AVX-512, AMX) differ in the last bits, each row-invariant. $EAGLESPEC_Q4=0 turns it off with the
+4-bit product.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class Codes:
 
 
 def q6_pack(codes: Codes) -> Tensor:
-    """csrc/common/shared.h's layout (both builds' micro-kernels read it): [ceil(N/32), K/32, 1024] uint8; per
+    """csrc/common/shared.h's layout (every build's micro-kernels read it): [ceil(N/32), K/32, 1024] uint8; per
     group-block the scales of its 32 columns for its first 16 k, then for the next 16 (float32), then the codes, 48
     bytes per k-pair. The pair's 64 codes Q in kernel order (in each 16-byte lane j the pair's two codes of columns
     4 j .. 4 j + 3, then of 16 + 4 j .. 16 + 4 j + 3, so that the AVX-512 kernel's byte unpack yields 16 columns in

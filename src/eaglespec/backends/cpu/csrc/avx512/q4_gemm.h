@@ -174,7 +174,9 @@ void block_scales(const uint8_t* blk, int64_t b, float* d, float* m) {
 
 }  // namespace avx512
 
+#ifndef EAGLESPEC_AMX  // (the AMX build's micro-kernels, amx/, build on these)
 namespace isa = avx512;
+#endif
 
 }  // namespace
 }  // namespace eaglespec::q4

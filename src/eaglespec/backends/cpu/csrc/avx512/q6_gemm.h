@@ -116,7 +116,9 @@ void group_rows(int64_t rows, const void* x_rows, int64_t ldx, const float* xsum
 
 }  // namespace avx512
 
+#ifndef EAGLESPEC_AMX  // (the AMX build's micro-kernels, amx/, build on these)
 namespace isa = avx512;
+#endif
 
 }  // namespace
 }  // namespace eaglespec::q6

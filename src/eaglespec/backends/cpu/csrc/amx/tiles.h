@@ -1,0 +1,52 @@
+// AMX tile configuration shared by the AMX build's micro-kernels (amx/q4_gemm.h, amx/q6_gemm.h).
+//
+// A tile configuration is per thread: each micro-kernel call loads its own (the shapes of its row tile and of its
+// weight tiles) and releases the tiles when done, so the torch thread pool's threads never run with another
+// kernel's shapes. Linux hands a process the tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM):
+// eaglespec.backends.cpu.kernels asks before it picks this build, and `request_tiles` asks again when the library
+// loads (a process that loads it by hand).
+
+#pragma once
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace eaglespec::amx {
+namespace {
+
+constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl: ask for an extended state component
+constexpr int kXfeatureXtiledata = 18;     // the tiles' data
+
+inline bool request_tiles() { return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0; }
+[[maybe_unused]] const bool kTilesGranted = request_tiles();
+
+// The 64-byte tile configuration (palette 1): rows and bytes per row of tiles 0-7.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+
+  TileConfig& tile(int t, int rows_, int bytes) {
+    rows[t] = static_cast<uint8_t>(rows_);
+    colsb[t] = static_cast<uint16_t>(bytes);
+    return *this;
+  }
+};
+static_assert(sizeof(TileConfig) == 64, "a tile configuration is 64 bytes");
+
+// Loads a configuration for the scope's lifetime, then releases the tiles.
+struct TileScope {
+  explicit TileScope(const TileConfig& config) { _tile_loadconfig(&config); }
+  ~TileScope() { _tile_release(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
+}  // namespace
+}  // namespace eaglespec::amx
