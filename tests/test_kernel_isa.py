@@ -2,6 +2,7 @@
 with it. CPU flags are faked, so these run on any machine."""
 
 import os
+import sys
 import re
 from pathlib import Path
 
@@ -157,3 +158,14 @@ def test_a_kernel_build_lock_left_by_a_killed_build_is_removed(tmp_path, monkeyp
     os.utime(lock, (old, old))
     assert bf16gemm.clear_stale_build_lock("eaglespec_lock_test") and not lock.exists()
     assert "interrupted build" in capsys.readouterr().err
+
+
+def test_amx_tiles_are_asked_of_linux_only(monkeypatch):
+    """The AMX build runs only where Linux grants the process the tiles (arch_prctl); elsewhere nothing is asked and
+    the answer is no, so the AVX-512 build runs."""
+    monkeypatch.setattr(sys, "platform", "darwin")
+    bf16gemm.amx_tiles_granted.cache_clear()
+    try:
+        assert bf16gemm.amx_tiles_granted() is False
+    finally:
+        bf16gemm.amx_tiles_granted.cache_clear()

@@ -73,8 +73,8 @@ VERSION = 15  # bump when the calibration changes meaning (3: bfloat16 packed, f
 # Emerald Rapids) 4-6 tokens two levels deep; on AVX2 ones, whose wider verify passes cost more per row, the root's
 # best children only. Where the AMX build runs, an 8-row verify pass costs little more than a plain step (AMX tiles
 # carry the rows, docs/cpu.md), so 8 tokens four levels deep (the best of 4 / 8 / 12 for the 1.5B's head on a
-# 2-vCPU Emerald Rapids VM with AMX; benchmarks/README.md). The adaptive policy (eaglespec.spec.adaptive) then stops drafting while generating where it does
-# not pay.
+# 2-vCPU Emerald Rapids VM with AMX; benchmarks/README.md). The adaptive policy (eaglespec.spec.adaptive) then stops
+# drafting while generating where it does not pay.
 DEFAULT_TREES = {
     "gpu": TreeSettings(total_tokens=16, depth=5, top_k=4),
     "amx": TreeSettings(total_tokens=8, depth=4, top_k=4),

@@ -1,8 +1,9 @@
 // AMX tile configuration shared by the AMX build's micro-kernels (amx/q4_gemm.h, amx/q6_gemm.h).
 //
-// A tile configuration is per thread: each micro-kernel call loads its own (the shapes of its row tile and of its
-// weight tiles) and releases the tiles when done, so the torch thread pool's threads never run with another
-// kernel's shapes. Linux hands a process the tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM):
+// A tile configuration is per thread: each thread's chunk of a product's column groups loads its own (the shapes of
+// its row tile and of its weight tiles; a micro-kernel call loads it where the chunk did not) and releases the tiles
+// when done, so the torch thread pool's threads never run with another kernel's shapes (oneDNN's AMX products
+// configure and release their own). Linux hands a process the tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM):
 // eaglespec.backends.cpu.kernels asks before it picks this build, and `request_tiles` asks again when the library
 // loads (a process that loads it by hand).
 
@@ -14,6 +15,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <optional>
 
 namespace eaglespec::amx {
 namespace {
@@ -37,12 +39,13 @@ struct alignas(64) TileConfig {
     colsb[t] = static_cast<uint16_t>(bytes);
     return *this;
   }
+  const void* bytes() const { return this; }
 };
 static_assert(sizeof(TileConfig) == 64, "a tile configuration is 64 bytes");
 
 // Loads a configuration for the scope's lifetime, then releases the tiles.
 struct TileScope {
-  explicit TileScope(const TileConfig& config) { _tile_loadconfig(&config); }
+  explicit TileScope(const TileConfig& config) { _tile_loadconfig(config.bytes()); }
   ~TileScope() { _tile_release(); }
   TileScope(const TileScope&) = delete;
   TileScope& operator=(const TileScope&) = delete;

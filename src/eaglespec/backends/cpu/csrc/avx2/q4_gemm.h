@@ -22,6 +22,11 @@ namespace eaglespec::q4 {
 namespace {
 namespace avx2 {
 
+// What a thread sets up once for a chunk of groups (the AMX build: its tiles); nothing here.
+struct ChunkScope {
+  explicit ChunkScope(int64_t) {}
+};
+
 constexpr bool kBf16Rows = false;  // the rows come as float32 scaled by kNibbleScale (common/q4_gemm.h)
 
 inline __m256 half8(const uint8_t* p) {  // 8 float16 -> 8 float32 (exact)

@@ -15,6 +15,11 @@ namespace eaglespec::q6 {
 namespace {
 namespace avx2 {
 
+// What a thread sets up once for a chunk of groups (the AMX build: its tiles); nothing here.
+struct ChunkScope {
+  explicit ChunkScope(int64_t) {}
+};
+
 constexpr bool kBf16Rows = false;  // the rows come as exact float32 copies of the bfloat16 inputs
 constexpr bool kNeedsSums = false;
 

@@ -26,6 +26,11 @@ namespace eaglespec::q4 {
 namespace {
 namespace avx512 {
 
+// What a thread sets up once for a chunk of groups (the AMX build: its tiles); nothing here.
+struct ChunkScope {
+  explicit ChunkScope(int64_t) {}
+};
+
 constexpr bool kBf16Rows = true;  // the rows come as the operator's bfloat16 inputs (not nibble-scaled floats)
 constexpr int kTileRows = 8;      // rows per pass over a group: 2 x 8 sums + 8 weight and constant vectors
 

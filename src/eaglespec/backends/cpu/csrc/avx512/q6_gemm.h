@@ -20,6 +20,11 @@ namespace eaglespec::q6 {
 namespace {
 namespace avx512 {
 
+// What a thread sets up once for a chunk of groups (the AMX build: its tiles); nothing here.
+struct ChunkScope {
+  explicit ChunkScope(int64_t) {}
+};
+
 constexpr bool kBf16Rows = true;  // the rows come as the operator's bfloat16 inputs
 constexpr bool kNeedsSums = true;  // and their 16-k sums X
 constexpr int kTileRows = 8;

@@ -50,6 +50,7 @@ void linear_rows(const void* xs, const float* xsum, int64_t ldx, int64_t m, cons
                  int64_t groups, int64_t blocks, int64_t n, const float* bp, uint16_t* yp) {
   at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxM * kCols];
+    const isa::ChunkScope scope(m);  // (the AMX build: its tiles configured once for the chunk's groups)
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* group = wp + g * Scales::group_bytes(blocks);
       if (m > kPassRows)  // the same bits either way: the cheaper one for m rows (AVX-512: the same code)

@@ -66,6 +66,7 @@ at::Tensor q6_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n
     uint16_t* yr = yp + row * n;
     at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
       alignas(64) float acc[kMaxM * kCols];
+      const isa::ChunkScope scope(rows);  // (the AMX build: its tiles configured once for the chunk's groups)
       for (int64_t g = begin; g < end; ++g) {
         isa::group_rows(rows, rows_in, k, xsum.get(), blocks, wp + g * blocks * kBlockBytes, acc);
         const int64_t col = g * kCols, columns = std::min(kCols, n - col);
