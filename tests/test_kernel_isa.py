@@ -2,8 +2,8 @@
 with it. CPU flags are faked, so these run on any machine."""
 
 import os
-import sys
 import re
+import sys
 from pathlib import Path
 
 import pytest
