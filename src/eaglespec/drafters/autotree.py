@@ -71,13 +71,15 @@ VERSION = 15  # bump when the calibration changes meaning (3: bfloat16 packed, f
 # What `--tree auto` uses before this machine is calibrated (`--tree calibrate`), by CPU class: the settings
 # calibrations chose for SmolLM2-135M's shipped heads (benchmarks/README.md): on AVX-512 BF16 machines (Zen 5,
 # Emerald Rapids) 4-6 tokens two levels deep; on AVX2 ones, whose wider verify passes cost more per row, the root's
-# best children only. Where the AMX build runs, an 8-row verify pass costs little more than a plain step (AMX tiles
-# carry the rows, docs/cpu.md), so 8 tokens four levels deep (the best of 4 / 8 / 12 for the 1.5B's head on a
-# 2-vCPU Emerald Rapids VM with AMX; benchmarks/README.md). The adaptive policy (eaglespec.spec.adaptive) then stops
-# drafting while generating where it does not pay.
+# best children only. Where the AMX build runs (AMX tiles carry a verify pass's rows, docs/cpu.md), 4 tokens two
+# levels deep from the root's 4 best: on a 2-vCPU Emerald Rapids VM with AMX (2026-11-28) the 1.5B's head ran 1.34x /
+# 1.35x / 1.32x plain decoding at depth 2 / 3 / 4 (4 MT-bench first turns), 1.27x / 1.22x / 1.04x with 4 / 8 / 12
+# tokens 4 deep, and SmolLM2-135M's shipped head, whose drafts cost more against its steps, 1.05x / 1.02x at depth 1
+# / 2 and 0.90-0.97x at depth 4 (8 prompts). The adaptive policy (eaglespec.spec.adaptive) then stops drafting
+# while generating where it does not pay.
 DEFAULT_TREES = {
     "gpu": TreeSettings(total_tokens=16, depth=5, top_k=4),
-    "amx": TreeSettings(total_tokens=8, depth=4, top_k=4),
+    "amx": TreeSettings(total_tokens=4, depth=2, top_k=4),
     "avx512": TreeSettings(total_tokens=4, depth=2, top_k=2),
     "avx2": TreeSettings(total_tokens=2, depth=1, top_k=8),
     "cpu": TreeSettings(total_tokens=4, depth=2, top_k=2),
