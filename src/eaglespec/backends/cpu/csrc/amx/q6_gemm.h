@@ -35,16 +35,14 @@ thread_local int chunk_rows = 0;  // as in amx/q4_gemm.h
 struct ChunkScope {  // as in amx/q4_gemm.h
   explicit ChunkScope(int64_t rows) {
     if (rows <= kTileRows) {
-      _tile_loadconfig(tiles_for(static_cast<int>(rows)).bytes());
+      scope.emplace(tiles_for(static_cast<int>(rows)));
       chunk_rows = static_cast<int>(rows);
     }
   }
-  ~ChunkScope() {
-    if (chunk_rows) _tile_release();
-    chunk_rows = 0;
-  }
+  ~ChunkScope() { chunk_rows = 0; }
   ChunkScope(const ChunkScope&) = delete;
   ChunkScope& operator=(const ChunkScope&) = delete;
+  std::optional<TileScope> scope;
 };
 
 // R rows (R <= kTileRows) times the 32 columns of one group, every block -> acc [R][kCols] (float32, overwritten).

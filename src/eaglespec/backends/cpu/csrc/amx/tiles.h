@@ -1,9 +1,9 @@
 // AMX tile configuration shared by the AMX build's micro-kernels (amx/q4_gemm.h, amx/q6_gemm.h).
 //
 // A tile configuration is per thread: each thread's chunk of a product's column groups loads its own (the shapes of
-// its row tile and of its weight tiles; a micro-kernel call loads it where the chunk did not) and releases the tiles
-// when done, so the torch thread pool's threads never run with another kernel's shapes (oneDNN's AMX products
-// configure and release their own). Linux hands a process the tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM):
+// its row tile and of its weight tiles; a micro-kernel call loads it where the chunk did not) and puts back what the
+// thread had before when done (TileScope), so neither our kernels nor other AMX code in the process (oneDNN,
+// llama.cpp) ever runs with another kernel's shapes. Linux hands a process the tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM):
 // eaglespec.backends.cpu.kernels asks before it picks this build, and `request_tiles` asks again when the library
 // loads (a process that loads it by hand).
 
@@ -43,12 +43,26 @@ struct alignas(64) TileConfig {
 };
 static_assert(sizeof(TileConfig) == 64, "a tile configuration is 64 bytes");
 
-// Loads a configuration for the scope's lifetime, then releases the tiles.
-struct TileScope {
-  explicit TileScope(const TileConfig& config) { _tile_loadconfig(config.bytes()); }
-  ~TileScope() { _tile_release(); }
+// Loads a configuration for the scope's lifetime, then puts back the thread's previous one (or releases the tiles
+// where there was none). Other AMX code in the process (llama.cpp's ggml, oneDNN) may configure a thread's tiles once
+// and count on the configuration staying: releasing it under them makes their next tile instruction fault.
+class TileScope {
+ public:
+  explicit TileScope(const TileConfig& config) {
+    _tile_storeconfig(&previous_);
+    _tile_loadconfig(config.bytes());
+  }
+  ~TileScope() {
+    if (previous_.palette != 0)
+      _tile_loadconfig(previous_.bytes());
+    else
+      _tile_release();
+  }
   TileScope(const TileScope&) = delete;
   TileScope& operator=(const TileScope&) = delete;
+
+ private:
+  TileConfig previous_;
 };
 
 }  // namespace
