@@ -34,35 +34,22 @@ using avx512::unpack_block;
 using avx512::block_scales;
 
 // The tiles for R rows: 0 the rows' inputs of a block; 1, 2 its weights, columns 0-15 / 16-31; 3, 4 their S.
-inline TileConfig tiles_for(int R) {
-  TileConfig config;
-  config.tile(0, R, 64).tile(1, 16, 64).tile(2, 16, 64).tile(3, R, 64).tile(4, R, 64);
-  return config;
-}
-
-thread_local int chunk_rows = 0;  // the rows this thread's tiles are configured for by a ChunkScope (0: none)
-
-// A chunk of groups of a call of up to kTileRows rows: its tiles configured once, not per group (a 1-row step of
-// the 1.5B calls the micro-kernel 20,000 times); the thread's previous configuration back after (TileScope).
-struct ChunkScope {
-  explicit ChunkScope(int64_t rows) {
-    if (rows <= kTileRows) {
-      scope.emplace(tiles_for(static_cast<int>(rows)));
-      chunk_rows = static_cast<int>(rows);
-    }
+struct Tiles {
+  static constexpr int kTileRows = amx::kTileRows;
+  static TileConfig tiles_for(int R) {
+    TileConfig config;
+    config.tile(0, R, 64).tile(1, 16, 64).tile(2, 16, 64).tile(3, R, 64).tile(4, R, 64);
+    return config;
   }
-  ~ChunkScope() { chunk_rows = 0; }
-  ChunkScope(const ChunkScope&) = delete;
-  ChunkScope& operator=(const ChunkScope&) = delete;
-  std::optional<TileScope> scope;
 };
+using ChunkScope = eaglespec::amx::ChunkScope<Tiles>;  // (the host code makes one per thread's chunk of groups)
 
 // R rows (R <= kTileRows) times the 32 columns of one group, every block -> acc [R][kCols] (float32, overwritten).
 template <typename Scales>
 void tile_rows(int R, const uint16_t* x, int64_t ldx, const float* xsum, int64_t blocks, const uint8_t* group,
                float* acc) {
-  std::optional<TileScope> scope;  // (configured here where the chunk's scope did not: calls of over 16 rows)
-  if (chunk_rows != R) scope.emplace(tiles_for(R));
+  std::optional<TileScope> scope;
+  ChunkScope::ensure(scope, R);
   const __m512i table = _mm512_load_si512(avx512::kNibbleBf16);
   const __m512i shifts = _mm512_set1_epi32(4 << 16);
   const __m512i low4 = _mm512_set1_epi32(0x000F000F);

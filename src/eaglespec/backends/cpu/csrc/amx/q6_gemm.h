@@ -24,33 +24,22 @@ constexpr bool kNeedsSums = true;
 constexpr int kTileRows = 16;
 
 // The tiles for R rows: 0 the rows' 16 inputs of a half; 1, 2 its weights, columns 0-15 / 16-31; 3, 4 their S.
-inline TileConfig tiles_for(int R) {
-  TileConfig config;
-  config.tile(0, R, 32).tile(1, 8, 64).tile(2, 8, 64).tile(3, R, 64).tile(4, R, 64);
-  return config;
-}
-
-thread_local int chunk_rows = 0;  // as in amx/q4_gemm.h
-
-struct ChunkScope {  // as in amx/q4_gemm.h
-  explicit ChunkScope(int64_t rows) {
-    if (rows <= kTileRows) {
-      scope.emplace(tiles_for(static_cast<int>(rows)));
-      chunk_rows = static_cast<int>(rows);
-    }
+struct Tiles {
+  static constexpr int kTileRows = amx::kTileRows;
+  static TileConfig tiles_for(int R) {
+    TileConfig config;
+    config.tile(0, R, 32).tile(1, 8, 64).tile(2, 8, 64).tile(3, R, 64).tile(4, R, 64);
+    return config;
   }
-  ~ChunkScope() { chunk_rows = 0; }
-  ChunkScope(const ChunkScope&) = delete;
-  ChunkScope& operator=(const ChunkScope&) = delete;
-  std::optional<TileScope> scope;
 };
+using ChunkScope = eaglespec::amx::ChunkScope<Tiles>;
 
 // R rows (R <= kTileRows) times the 32 columns of one group, every block -> acc [R][kCols] (float32, overwritten).
 // xsum [R][K/16]: each row's sums X of 16 inputs.
 inline void tile_rows(int R, const uint16_t* x, int64_t ldx, const float* xsum, int64_t blocks, const uint8_t* group,
                       float* acc) {
-  std::optional<TileScope> scope;  // (where the chunk's scope did not configure them)
-  if (chunk_rows != R) scope.emplace(tiles_for(R));
+  std::optional<TileScope> scope;
+  ChunkScope::ensure(scope, R);
   const __m512i exponent = _mm512_set1_epi8(0x43);
   const int64_t halves = 2 * blocks;
   alignas(64) uint16_t weights[2][8 * 32];  // per column half: 8 k-pair rows of 16 columns x 2 k

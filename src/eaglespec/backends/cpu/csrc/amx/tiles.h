@@ -65,5 +65,32 @@ class TileScope {
   TileConfig previous_;
 };
 
+// A thread's chunk of a product's column groups, in a call of up to Kernel::kTileRows rows: the kernel's tiles
+// (Kernel::tiles_for(rows)) configured once for all of its groups, not per micro-kernel call (a 1-row step of the 1.5B
+// makes 20,000 of them), the thread's previous configuration back after. A call of more rows configures per
+// micro-kernel call (`ensure`), its last tile having fewer rows.
+template <typename Kernel>
+class ChunkScope {
+ public:
+  explicit ChunkScope(int64_t rows) {
+    if (rows <= Kernel::kTileRows) {
+      scope_.emplace(Kernel::tiles_for(static_cast<int>(rows)));
+      configured_ = static_cast<int>(rows);
+    }
+  }
+  ~ChunkScope() { configured_ = 0; }
+  ChunkScope(const ChunkScope&) = delete;
+  ChunkScope& operator=(const ChunkScope&) = delete;
+
+  // In a micro-kernel call of R rows: the tiles for R rows in `scope` where the chunk did not configure them.
+  static void ensure(std::optional<TileScope>& scope, int R) {
+    if (configured_ != R) scope.emplace(Kernel::tiles_for(R));
+  }
+
+ private:
+  static inline thread_local int configured_ = 0;  // the rows this thread's chunk configured the tiles for
+  std::optional<TileScope> scope_;
+};
+
 }  // namespace
 }  // namespace eaglespec::amx
