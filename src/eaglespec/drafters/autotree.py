@@ -102,8 +102,8 @@ STAGED_TREES = {
 
 
 def cpu_class(target: TargetModel) -> str:
-    """The key of DEFAULT_TREES for `target` on this machine: a CUDA GPU, or the CPU's kernel build (AVX-512, AVX2),
-    else cpu."""
+    """The key of DEFAULT_TREES for `target` on this machine: a CUDA GPU, or the CPU's kernel build (AMX, AVX-512,
+    AVX2), else cpu."""
     return target.hardware_class()
 
 
