@@ -149,11 +149,14 @@ class Engine:
         self.head = head
         self.method = method
         settings = None if isinstance(tree, str) else tree
-        if method == "staged" and isinstance(tree, str):  # its tree by hardware class (drafters.autotree)
+        if method in DRAFT_MODEL_METHODS and isinstance(tree, str):  # its chain by hardware class (drafters.autotree)
             from .drafters.autotree import STAGED_TREES, cpu_class
 
             settings = STAGED_TREES[cpu_class(self.target)]
-        self.decoder = SpecDecoder(self.target, tokenizer, self._make_drafter(method, head, settings, head_name))
+        # a draft model's chain under tree auto: each round's length chosen as it goes (drafters.chain_length)
+        dynamic = isinstance(tree, str) and method in DRAFT_MODEL_METHODS
+        self.decoder = SpecDecoder(self.target, tokenizer,
+                                   self._make_drafter(method, head, settings, head_name, dynamic))
         self.tree_choice = None
         if tree in ("auto", "calibrate") and method in ("eagle2", "chain") and head is not None:
             from .drafters.autotree import auto_tree
@@ -172,7 +175,7 @@ class Engine:
                 f"adaptive: {method} drafts where it measures faster than plain decoding (adapt=False: always)")]))
 
     def _make_drafter(self, method: str, head: DraftHead | None, tree: TreeSettings | None,
-                      head_name: str) -> Drafter:
+                      head_name: str, dynamic: bool = False) -> Drafter:
         if head is not None:
             check_head_fits(head, self.target, head_name)
             return eagle_drafter(head, self.target.embed_tokens, self.target.lm_head, MODES[method], tree,
@@ -192,11 +195,11 @@ class Engine:
             # kernels are row-invariant anyway, and then staged drafts are sps's drafts)
             draft_target = make_target(self.draft_hf_model, feature_kind=None, exact=False)
             if method == "sps":
-                return DraftModelDrafter(draft_target, tree)
+                return DraftModelDrafter(draft_target, tree, dynamic=dynamic)
             stage2 = context_lookup()
             if self.ngram is not None:  # the context's n-grams first, then the corpus model's
                 stage2 = Stage2Chain([stage2, NgramModel.load(self.ngram)])
-            return StagedDrafter(draft_target, tree, stage2=stage2)
+            return StagedDrafter(draft_target, tree, stage2=stage2, dynamic=dynamic)
         return VanillaDrafter()
 
     @property

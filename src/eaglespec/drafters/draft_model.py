@@ -21,6 +21,7 @@ from the common prefix.
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 from torch import Tensor
@@ -28,6 +29,7 @@ from torch import Tensor
 from ..spec.tree import DraftTree, chain
 from ..targets.hf import TargetModel
 from .base import Drafter, DraftWork, TreeSettings
+from .chain_length import ChainLength
 
 _EMPTY = torch.zeros(0, dtype=torch.long)
 
@@ -40,9 +42,11 @@ class DraftModelDrafter(Drafter):
     name = "sps"
     needs_features = False
 
-    def __init__(self, draft_target: TargetModel, settings: TreeSettings | None = None):
+    def __init__(self, draft_target: TargetModel, settings: TreeSettings | None = None, dynamic: bool = False):
         self.settings = settings or TreeSettings()
         self.model = draft_target
+        # dynamic: each round's chain length by drafters.chain_length (at most `length`), else always `length`
+        self.dynamic = dynamic
         # can drop committed rows: drafted tokens then stay in the cache instead of being re-run at every step
         self.rolls_back = callable(getattr(self.model, "truncate", None))
         self.forwards = 0  # draft-model forwards so far (each round's cost, for tests and benchmarks)
@@ -59,6 +63,7 @@ class DraftModelDrafter(Drafter):
         clone = copy.copy(self)
         clone.model = self.model.sibling()
         clone.forwards = 0
+        clone.chain_length = None  # its own, from scratch
         clone.reset()
         return clone
 
@@ -68,6 +73,32 @@ class DraftModelDrafter(Drafter):
     def reset(self) -> None:
         self.model.reset()
         self.seen: list[int] = []  # tokens whose KV rows are committed in the draft model's cache, in order
+        if self.dynamic and getattr(self, "chain_length", None) is None:  # (kept across generations: its costs)
+            self.chain_length = ChainLength(self.length)
+        elif not self.dynamic:
+            self.chain_length = None
+        self._last: tuple[int, list[int], float] | None = None  # last round: (context length, proposal, end time)
+
+    def _round_length(self, ids: list[int], now: float) -> int:
+        """This round's chain length; with `dynamic`, first tell `chain_length` how the last round went (its
+        proposal against what the sequence committed since)."""
+        if self.chain_length is None:
+            return self.length
+        if self._last is not None:
+            start, proposal, ended = self._last
+            committed = ids[start:-1]  # accepted drafts (the last token is the new root: the bonus or a correction)
+            if len(ids) > start and len(committed) <= len(proposal):  # one round since (not a plain round between)
+                accepted = 0
+                while accepted < len(committed) and committed[accepted] == proposal[accepted]:
+                    accepted += 1
+                self.chain_length.observe_round(len(proposal), accepted, now - ended)
+        return self.chain_length.next()
+
+    def _drafted(self, ids: list[int], proposal: list[int], started: float) -> None:
+        if self.chain_length is not None:
+            now = time.perf_counter()
+            self.chain_length.observe_draft(len(proposal), now - started)
+            self._last = (len(ids), list(proposal), now)
 
     def _sync(self, tokens: list[int]) -> int:
         """Cut the cache back to its longest prefix shared with `tokens` minus its last token (so that one is always
@@ -97,10 +128,11 @@ class DraftModelDrafter(Drafter):
 
     @torch.inference_mode()
     def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
+        started = time.perf_counter()
         ids = tokens.tolist()
         root = ids[-1]
         room = self.model.max_context - len(ids)  # draft positions still inside the draft model's context
-        length = min(self.length, room)
+        length = min(self._round_length(ids, started), room)
         if length < 1:
             return DraftTree.root_only(root)
         start = self._sync(ids)
@@ -110,4 +142,5 @@ class DraftModelDrafter(Drafter):
                 proposal.append(self._next(proposal[-1:], keep=True))
             else:  # every drafted token so far on top of the committed prefix, rows dropped again
                 proposal.append(self._next(proposal, keep=False))
+        self._drafted(ids, proposal, started)
         return chain([root] + proposal)

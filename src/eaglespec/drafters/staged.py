@@ -25,6 +25,7 @@ tokens, and the target verifies them in the same pass. `top_k` = 1 drafts the ba
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 
 import torch
@@ -58,8 +59,8 @@ class StagedDrafter(DraftModelDrafter):
     name = "staged"
 
     def __init__(self, draft_target: TargetModel, settings: TreeSettings | None = None,
-                 stage2: Stage2 | None = None, guesses: int = 4):
-        super().__init__(draft_target, settings)
+                 stage2: Stage2 | None = None, guesses: int = 4, dynamic: bool = False):
+        super().__init__(draft_target, settings, dynamic)
         if guesses < 1:
             raise ValueError(f"guesses must be at least 1, got {guesses}")
         self.stage2 = stage2 or context_lookup()
@@ -125,9 +126,10 @@ class StagedDrafter(DraftModelDrafter):
     def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
         if not self.rolls_back:
             return super().draft(tokens, new_features)
+        started = time.perf_counter()
         ids = tokens.tolist()
         root = ids[-1]
-        length = min(self.length, self.model.max_context - len(ids))
+        length = min(self._round_length(ids, started), self.model.max_context - len(ids))
         if length < 1:
             return DraftTree.root_only(root)
         start = self._sync(ids)
@@ -136,6 +138,7 @@ class StagedDrafter(DraftModelDrafter):
         while len(proposal) < length:
             proposal.extend(self._extend(ids, proposal, length))
         proposal = proposal[:length]
+        self._drafted(ids, proposal, started)
         if self.branches == 1:
             return chain([root] + proposal)
         return branched_chain(root, proposal, self._ranked[:length], self.settings.total_tokens)

@@ -1,0 +1,76 @@
+"""How many tokens a draft model's chain drafts this round (`--tree auto` with `sps` and `staged`), from what the
+chains have been accepting and what drafting and verifying have cost.
+
+A fixed chain is right for one text only: on code that copies its prompt a 0.5B draft of a 1.5B target has 90%+
+of 15 tokens accepted, on prose it loses its way after two or three, and every token past that costs a draft-model
+forward (staged: part of one) and a verify row for nothing. `ChainLength` models acceptance as a constant chance
+alpha per drafted token (a token is accepted only if its predecessors were), estimated from the recent rounds (each
+round tried its chain up to the first rejected token), so a chain of L tokens is expected to yield
+
+    E(L) = 1 + alpha + ... + alpha^L   tokens (the bonus token included)
+
+in D L + T(L + 1) seconds: D the measured draft time per drafted token, T(rows) the measured time of the rest of a
+round (the target's verify pass, acceptance, the loop) by its verify rows, fitted as `spec.load.StepCosts` fits a
+batched forward. Each round drafts the L (1 .. `longest`) that maximises E(L) / (D L + T(L + 1)). Where the verify
+rows are nearly free (a GPU; AMX tiles for a few rows) and alpha is high, that is the longest chain; where rows cost
+(AVX2) or alpha is low, a short one. The chain length never changes what the target accepts, only how much is
+proposed, so the output is unchanged.
+"""
+
+from __future__ import annotations
+
+from ..spec.load import StepCosts
+
+
+class ChainLength:
+    """The chain length of each round. `observe_draft` after drafting, `observe_round` once the round's outcome is
+    known (at the next draft call), `next()` before drafting."""
+
+    def __init__(self, longest: int, start: int | None = None, decay: float = 0.9, prior_alpha: float = 0.6,
+                 prior_weight: float = 2.0):
+        if longest < 1:
+            raise ValueError(f"longest must be at least 1, got {longest}")
+        self.longest = longest
+        self.start = min(start or longest, longest)
+        self.decay = decay
+        self.accepted = prior_alpha * prior_weight  # decayed sums over rounds: tokens accepted,
+        self.tried = prior_weight  # and tokens tried (up to and including the first rejected one)
+        self.draft_seconds = 0.0  # decayed sums: draft time, and tokens drafted in it
+        self.drafted = 0.0
+        self.costs = StepCosts(memory=64)  # the rest of a round by its verify rows
+
+    @property
+    def alpha(self) -> float:
+        """The estimated chance that a drafted token is accepted, given its predecessors were."""
+        return min(max(self.accepted / self.tried, 0.01), 0.99)
+
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        """A draft call that proposed `tokens` tokens in `seconds`."""
+        if tokens > 0:
+            self.draft_seconds = self.decay * self.draft_seconds + seconds
+            self.drafted = self.decay * self.drafted + tokens
+
+    def observe_round(self, proposed: int, accepted: int, seconds: float) -> None:
+        """A verified chain of `proposed` tokens, `accepted` of them accepted; `seconds` from the end of its drafting
+        to the next draft call (the verify pass and the rest of the round)."""
+        if proposed < 1:
+            return
+        self.accepted = self.decay * self.accepted + accepted
+        self.tried = self.decay * self.tried + accepted + (accepted < proposed)
+        self.costs.observe(proposed + 1, seconds)
+
+    def expected_tokens(self, length: int) -> float:
+        """E(length): tokens a round with a chain of `length` is expected to commit, the bonus token included."""
+        a = self.alpha
+        return sum(a ** d for d in range(length + 1))
+
+    def next(self) -> int:
+        """The chain length of the next round: `start` until a draft and a round have been timed."""
+        if not self.costs.known or self.drafted <= 0:
+            return self.start
+        per_token = self.draft_seconds / self.drafted
+
+        def speed(length: int) -> float:
+            return self.expected_tokens(length) / max(per_token * length + self.costs.time(length + 1), 1e-9)
+
+        return max(range(1, self.longest + 1), key=lambda length: (speed(length), -length))
