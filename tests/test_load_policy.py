@@ -77,7 +77,8 @@ def test_flat_costs_and_good_acceptance_draft_everyone():
 
 
 def test_steep_costs_and_low_acceptance_draft_only_probes():
-    policy = LoadPolicy(tree_rows=15, probe_every=4)
+    policy = LoadPolicy(tree_rows=15, probe_every=4, probe_share=1.0)
+    policy.elapsed = 1e3  # (an exploration budget that never runs out: the schedule alone decides)
     feed_costs(policy, fixed=0.002, per_row=0.002)
     policy.observe_draft(0.003)
     keys = ["a", "b", "c", "d"]
@@ -102,6 +103,41 @@ def test_steep_costs_and_low_acceptance_draft_only_probes():
         gaps = [later - earlier for earlier, later in zip(probes, probes[1:])]
         assert len(probes) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
     assert "new" in set().union(*rounds(4, keys + ["new"]))  # a sequence that never drafted drafts soon
+
+
+def test_probes_lose_at_most_their_share_of_the_rounds_time():
+    """Where nobody's drafts pay, the probes' expected losses stay within probe_share of the time the rounds took,
+    and probes still happen as time passes."""
+    policy = LoadPolicy(tree_rows=15, probe_every=2, probe_share=0.02)
+    feed_costs(policy, fixed=0.02, per_row=0.004)
+    policy.observe_draft(0.01)
+    keys = list(range(8))
+    drafted_once(policy, keys, accepted=0)
+    probes = 0
+    for _ in range(400):
+        plan = policy.plan(keys)
+        assert not plan.draft - plan.probes  # nobody drafts because it pays
+        probes += len(plan.probes)
+        for key in keys:
+            tree = scored_chain([0.5] * 15) if key in plan.draft else DraftTree.root_only(1)
+            policy.observe_sequence(key, tree, 0)
+        policy.observe_round(len(keys), len(plan.draft), len(keys), 0.05)
+        assert policy.probe_loss <= 0.02 * policy.elapsed + 1e-12
+    assert probes >= 3
+    assert policy.probe_loss > 0.5 * 0.02 * policy.elapsed  # the budget is used, not left idle
+    unbounded = LoadPolicy(tree_rows=15, probe_every=2, probe_share=1.0)
+    feed_costs(unbounded, fixed=0.02, per_row=0.004)
+    unbounded.observe_draft(0.01)
+    drafted_once(unbounded, keys, accepted=0)
+    many = 0
+    for _ in range(400):
+        plan = unbounded.plan(keys)
+        many += len(plan.probes)
+        for key in keys:
+            tree = scored_chain([0.5] * 15) if key in plan.draft else DraftTree.root_only(1)
+            unbounded.observe_sequence(key, tree, 0)
+        unbounded.observe_round(len(keys), len(plan.draft), len(keys), 0.05)
+    assert many > probes  # the schedule alone probes more
 
 
 def test_plan_admits_the_sequences_whose_drafts_pay():

@@ -304,7 +304,8 @@ def build_methods(names: list[str], ctx: MethodContext,
                 settings["head"] = str(ctx.head3_dir if name == "eagle3" else ctx.head_dir)
                 settings["head_kind"] = head.config.kind
             if name in ("sps", "staged"):
-                settings["draft_model"] = getattr(ctx.draft_model.config, "_name_or_path", "") or "draft model"
+                settings["draft_model"] = (ctx.draft_model_name  # (the name given, not where the cache keeps it)
+                                           or getattr(ctx.draft_model.config, "_name_or_path", "") or "draft model")
             label = name if value is None else f"{name}@{sweep[0]}={value}"
             methods.append(LoopMethod(label, name, engine, settings, None if value is None else {sweep[0]: value},
                                       record_answers=answers if name == "vanilla" else None))

@@ -29,7 +29,11 @@ round time stays current.
 A sequence that has not drafted for a while drafts once to refresh what it accepts (the text changes): after
 `probe_every` of its plain steps, and after twice as many each time a probe did not make drafting pay (up to 16x),
 as spec.adaptive backs off its probes; its first steps draft unless the costs measured so far already rule it out.
-At most one sequence probes a round, so a busy batch does not pay for many catch-ups at once.
+At most one sequence probes a round, so a busy batch does not pay for many catch-ups at once. Probes are an
+exploration budget, bounded in time: a probe's expected loss (its cost less the time its expected tokens are worth
+at the step's rate) is spent only while all probes' losses stay within `probe_share` of the rounds' time. So where
+drafting pays nobody, the batch runs at most that share below plain batched decoding (a wide batch of a model whose
+head must catch up on many skipped positions per probe would otherwise lose a tenth of its speed to probes).
 """
 
 from __future__ import annotations
@@ -108,10 +112,14 @@ class LoadPolicy:
     keyed by any hashable id; `forget` one that leaves."""
 
     def __init__(self, tree_rows: int, probe_every: int = 16, smoothing: float = 0.25, prior_accepted: float = 1.0,
-                 plain_every: int = 64):
-        """`tree_rows`: draft rows of a full tree (the drafter's total_tokens - 1)."""
+                 plain_every: int = 64, probe_share: float = 0.02):
+        """`tree_rows`: draft rows of a full tree (the drafter's total_tokens - 1); `probe_share`: the share of the
+        rounds' time that probes may lose."""
         self.tree_rows = max(tree_rows, 1)
         self.probe_every, self.smoothing, self.plain_every = probe_every, smoothing, plain_every
+        self.probe_share = probe_share
+        self.elapsed = 0.0  # seconds of the rounds timed so far
+        self.probe_loss = 0.0  # what the probes so far were expected to lose against plain steps
         self.costs = StepCosts()  # verify forwards: seconds by rows
         self.rounds = StepCosts()  # plain rounds: seconds by sequences
         self.draft_seconds = 0.0  # per drafting sequence, the draft call alone (moving average; 0 until measured)
@@ -153,6 +161,11 @@ class LoadPolicy:
             period = o.probe_period or self.probe_every
             # at most one probe a round: a busy batch does not pay for many sequences' catch-up at once
             probe = not pays and not probed and (o.since_draft >= period or o.drafted == 0)
+            loss = max(added - o.accepted * plan.seconds / plan.tokens, 0.0)  # what the probe costs beyond its worth
+            if probe and self.probe_loss + loss > self.probe_share * self.elapsed:
+                probe = False  # the exploration budget is spent: wait
+            elif probe:
+                self.probe_loss += loss
             if pays:
                 o.probe_period = self.probe_every
             elif probe and o.drafted:  # the next probe of this sequence waits twice as long
@@ -207,6 +220,7 @@ class LoadPolicy:
     def observe_round(self, sequences: int, drafting: int, rows: int, seconds: float) -> None:
         """A whole round (drafting, the verify forward of `rows` rows, acceptance) of `sequences` sequences, of which
         `drafting` drafted, took `seconds`."""
+        self.elapsed += seconds
         if drafting == 0:
             self.rounds.observe(sequences, seconds)
             self.since_plain = 0
