@@ -97,7 +97,8 @@ class DraftModelDrafter(Drafter):
     def _drafted(self, ids: list[int], proposal: list[int], started: float) -> None:
         if self.chain_length is not None:
             now = time.perf_counter()
-            self.chain_length.observe_draft(len(proposal), now - started)
+            if self._last is not None:  # (a generation's first draft also reads the whole prompt: not a round's cost)
+                self.chain_length.observe_draft(len(proposal), now - started)
             self._last = (len(ids), list(proposal), now)
 
     def _sync(self, tokens: list[int]) -> int:
