@@ -88,14 +88,15 @@ DEFAULT_TREES = {
 
 # What `--tree auto` (and `calibrate`, which measures nothing for it) gives `staged` and `sps` (a draft model's
 # tree, drafters/staged.py), by the same classes: on a CPU the draft model's bare chain (5 tokens at most), which
-# measured faster than its 16-node tree on both CPU classes (Qwen2.5-Coder-1.5B with the 0.5B draft, 4 MT-bench first turns: 15.82 against
-# 11.51 tokens/s on a Zen 4 VM with AVX-512 BF16, benchmarks/runs/2026-11-28-zen4-1.5b; 1.27x against 0.83x plain
-# decoding on a Zen 3 VM with AVX2, 2026-11-27): a verify pass's extra rows cost more there than the alternatives'
-# extra acceptance brings. On a GPU, where extra rows are nearly free, the paper's tree (not measured here). With the
-# kernels' AMX build a verify pass of 16 rows costs little more than one, so the chain may grow to 15 tokens: on a
-# 2-vCPU Emerald Rapids VM (4 HumanEval tasks x 128 tokens, fixed chains) staged ran 1.94x / 2.16x / 2.49x plain
-# decoding with 5 / 9 / 15 tokens, but 1.03x / 0.52x on 4 MT-bench first turns with 5 / 15. `sps` takes the same
-# chain; under `--tree auto` both choose each round's length up to it (drafters/chain_length.py).
+# measured faster than its 16-node tree on both CPU classes (Qwen2.5-Coder-1.5B with the 0.5B draft, 4 MT-bench
+# first turns: 15.82 against 11.51 tokens/s on a Zen 4 VM with AVX-512 BF16, benchmarks/runs/2026-11-28-zen4-1.5b;
+# 1.27x against 0.83x plain decoding on a Zen 3 VM with AVX2, 2026-11-27): a verify pass's extra rows cost more
+# there than the alternatives' extra acceptance brings. On a GPU, where extra rows are nearly free, the paper's tree
+# (not measured here). With the kernels' AMX build a verify pass of 16 rows costs little more than one, so the chain
+# may grow to 15 tokens: on a 2-vCPU Emerald Rapids VM (4 HumanEval tasks x 128 tokens, fixed chains) staged ran
+# 1.94x / 2.16x / 2.49x plain decoding with 5 / 9 / 15 tokens, but 1.03x / 0.52x on 4 MT-bench first turns with 5 /
+# 15 (benchmarks/runs/2026-11-29-emerald-rapids-amx-staged/fixed-chains). `sps` takes the same chain; under
+# `--tree auto` both choose each round's length up to it (drafters/chain_length.py).
 STAGED_TREES = {
     "gpu": TreeSettings(total_tokens=16, depth=5, top_k=4),
     "amx": TreeSettings(total_tokens=16, depth=15, top_k=1),
