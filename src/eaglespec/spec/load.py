@@ -32,8 +32,8 @@ as spec.adaptive backs off its probes; its first steps draft unless the costs me
 At most one sequence probes a round, so a busy batch does not pay for many catch-ups at once. Probes are an
 exploration budget, bounded in time: a probe's expected loss (its cost less the time its expected tokens are worth
 at the step's rate) is spent only while all probes' losses stay within `probe_share` of the rounds' time. So where
-drafting pays nobody, the batch runs at most that share below plain batched decoding (a wide batch of a model whose
-head must catch up on many skipped positions per probe would otherwise lose a tenth of its speed to probes).
+drafting pays nobody, probes cost the batch at most that share of its speed against plain batched decoding, however
+many sequences come due and however much a probe's head must catch up on.
 """
 
 from __future__ import annotations
