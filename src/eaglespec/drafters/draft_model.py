@@ -51,6 +51,7 @@ class DraftModelDrafter(Drafter):
         self.rolls_back = callable(getattr(self.model, "truncate", None))
         self.forwards = 0  # draft-model forwards so far (each round's cost, for tests and benchmarks)
         self.forward_bytes = self.model.weight_bytes()  # weights one draft-model forward reads
+        self.chain_length = ChainLength(self.length) if dynamic else None  # (kept across generations: its costs)
         self.reset()
 
     @property
@@ -63,7 +64,7 @@ class DraftModelDrafter(Drafter):
         clone = copy.copy(self)
         clone.model = self.model.sibling()
         clone.forwards = 0
-        clone.chain_length = None  # its own, from scratch
+        clone.chain_length = ChainLength(self.length) if self.dynamic else None  # its own, from scratch
         clone.reset()
         return clone
 
@@ -73,10 +74,6 @@ class DraftModelDrafter(Drafter):
     def reset(self) -> None:
         self.model.reset()
         self.seen: list[int] = []  # tokens whose KV rows are committed in the draft model's cache, in order
-        if self.dynamic and getattr(self, "chain_length", None) is None:  # (kept across generations: its costs)
-            self.chain_length = ChainLength(self.length)
-        elif not self.dynamic:
-            self.chain_length = None
         self._last: tuple[int, list[int], float] | None = None  # last round: (context length, proposal, end time)
 
     def _round_length(self, ids: list[int], now: float) -> int:
