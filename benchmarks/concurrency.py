@@ -3,11 +3,14 @@
     python benchmarks/concurrency.py --model smollm2-135m --concurrency 1,2,4,8,16 --max-tokens 128
 
 For each server configuration (default: `plain` = `--method vanilla`, `spec` = the model's default method with its
-shipped head; each `--max-batch` as given) this starts `eaglespec serve`, sends one warm-up request (not timed), then
-for each concurrency c runs c closed-loop streaming clients over the same prompts (MT-bench first turns, greedy,
-chat template), and reports aggregate tokens/s (all tokens / wall time), p50 / p95 request latency and time to first
-token, and tau (from the server's counters). Every answer is compared with the answer of one request at a time on
-the plain server (concurrency 1), which is plain decoding: they must be equal token for token.
+shipped head; each `--max-batch` as given) this starts `eaglespec serve` (all of them, before any timing) and sends
+each one warm-up request (not timed). Then, `--rounds` times, for each concurrency c, each configuration in turn runs
+c closed-loop streaming clients over the same prompts (MT-bench first turns, greedy, chat template); the turns
+alternate their order (plain, spec; spec, plain; ...), so that a drift of the machine's speed during the run weighs
+on each configuration alike. It reports aggregate tokens/s (all tokens / wall time, over the rounds; each round's
+too), p50 / p95 request latency and time to first token, and tau (from the servers' counters). Every answer is
+compared with the answer of one request at a time on the plain server (concurrency 1, first round), which is plain
+decoding: they must be equal token for token.
 The checks printed at the end are the ones batched serving promises: at 8 concurrent streams at least 4x the
 single-stream plain throughput; speculation never below plain batched decoding at any concurrency (within
 --tolerance); every greedy answer equal to its single-request answer. --json writes everything.
@@ -62,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                         "plain='--method vanilla' and spec='')")
     p.add_argument("--max-batch", type=int, default=16, help="--max-batch of every server (default: 16)")
     p.add_argument("--requests", type=int, default=16, help="requests per concurrency level (default: 16)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="times each configuration runs each level, taking turns with the others (default: 1)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--tolerance", type=float, default=0.05,
@@ -69,65 +74,89 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    if not levels or min(levels) < 1 or not 1 <= args.max_tokens <= MAX_TOKENS:
-        raise SystemExit(f"--concurrency needs positive counts and --max-tokens 1..{MAX_TOKENS}")
+    if not levels or min(levels) < 1 or not 1 <= args.max_tokens <= MAX_TOKENS or args.rounds < 1:
+        raise SystemExit(f"--concurrency needs positive counts, --rounds at least 1 and --max-tokens 1..{MAX_TOKENS}")
     configs = dict(c.split("=", 1) for c in (args.config or ["plain=--method vanilla", "spec="]))
     questions = select(load_questions("mt-bench"), limit=args.requests)
     prompts = [q.turns[0] for q in questions]
     api_key = os.urandom(12).hex()
-    rows, answers = [], {}
+    names = list(configs)
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    runs: dict[tuple[str, int], list[dict]] = {(name, c): [] for name in names for c in levels}
     reference: dict[str, str] | None = None
-    for name, extra in configs.items():
-        serve_args = extra.split() + ["--max-batch", str(args.max_batch), "--max-queue", "256", "--timeout", "1800"]
-        proc, url = launch(args.model, serve_args, args.threads, api_key, startup=600)
-        try:
-            sync = httpx.Client(headers={"Authorization": f"Bearer {api_key}"}, timeout=600)
-            served = sync.get(url + "/v1/models").json()["data"][0]["id"]
-            health = sync.get(url + "/health").json()
-            sync.post(url + "/v1/chat/completions", json={"model": served, "max_tokens": 8,
+    try:
+        for name in names:  # every server up before any is timed; an idle one polls its queue ten times a second
+            serve_args = configs[name].split() + ["--max-batch", str(args.max_batch), "--max-queue", "256",
+                                                  "--timeout", "1800"]
+            servers[name] = launch(args.model, serve_args, args.threads, api_key, startup=600)
+        sync = httpx.Client(headers={"Authorization": f"Bearer {api_key}"}, timeout=600)
+        served, method = {}, {}
+        for name, (_, url) in servers.items():
+            served[name] = sync.get(url + "/v1/models").json()["data"][0]["id"]
+            method[name] = sync.get(url + "/health").json()["method"]
+            sync.post(url + "/v1/chat/completions", json={"model": served[name], "max_tokens": 8,
                                                           "messages": [{"role": "user", "content": "Hi"}]})
-            for clients in levels:
-                before = scrape(sync, url)
-                outcomes, wall = asyncio.run(closed_loop(url, api_key, served, prompts, clients, args.max_tokens))
-                after = scrape(sync, url)
-                failed = [o for o in outcomes if o.error or not o.done]
-                if failed:
-                    raise SystemExit(f"{name} at {clients} clients: {failed[0].error or 'incomplete stream'}")
-                texts = {o.prompt: o.text for o in outcomes}
-                if reference is None:  # the first configuration's first level: one request at a time
-                    reference = texts
-                answers[(name, clients)] = texts
-                d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-                forwards = max(d.get("eaglespec:spec_decode_num_target_forwards_total", 0.0), 1.0)
-                tokens = d.get("eaglespec:generation_tokens_total", 0.0)
-                lat = [o.latency for o in outcomes]
-                drafted = d.get("eaglespec:batch_sequences_drafted_total", 0.0)
-                sequences = drafted + d.get("eaglespec:batch_sequences_plain_total", 0.0)  # per batched step
-                ttft = [o.ttft for o in outcomes if o.ttft is not None]
-                rows.append({
-                    "config": name, "method": health["method"], "serve_args": extra, "max_batch": args.max_batch,
-                    "concurrency": clients, "requests": len(outcomes), "tokens": int(tokens),
-                    "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
-                    "latency_p50_s": round(percentile(lat, 50), 2), "latency_p95_s": round(percentile(lat, 95), 2),
-                    "ttft_p50_s": round(percentile(ttft, 50), 2), "ttft_p95_s": round(percentile(ttft, 95), 2),
-                    "tau": round((d.get("eaglespec:spec_decode_num_accepted_tokens_total", 0.0) + forwards)
-                                 / forwards, 2),
-                    "mean_batch": round(sequences / max(d.get("eaglespec:batch_steps_total", 0.0), 1.0), 2),
-                    "drafted_share": round(drafted / max(sequences, 1.0), 2),
-                    "equal_to_single": texts == reference,
-                })
-                print(json.dumps(rows[-1]), file=sys.stderr)
-        finally:
+        for r in range(args.rounds):
+            for i, clients in enumerate(levels):
+                # the configurations take turns, in alternating order (ABBA), so that a drift of the machine's
+                # speed during the run weighs on each alike
+                for name in (names if (r + i) % 2 == 0 else names[::-1]):
+                    url = servers[name][1]
+                    before = scrape(sync, url)
+                    outcomes, wall = asyncio.run(closed_loop(url, api_key, served[name], prompts, clients,
+                                                             args.max_tokens))
+                    after = scrape(sync, url)
+                    failed = [o for o in outcomes if o.error or not o.done]
+                    if failed:
+                        raise SystemExit(f"{name} at {clients} clients: {failed[0].error or 'incomplete stream'}")
+                    texts = {o.prompt: o.text for o in outcomes}
+                    if reference is None:  # the first configuration's first level: one request at a time
+                        reference = texts
+                    counters = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+                    runs[(name, clients)].append({"outcomes": outcomes, "wall": wall, "counters": counters,
+                                                  "equal": texts == reference})
+                    tokens = counters.get("eaglespec:generation_tokens_total", 0.0)
+                    print(json.dumps({"round": r + 1, "config": name, "concurrency": clients,
+                                      "tokens_per_s": round(tokens / wall, 1)}), file=sys.stderr)
+    finally:
+        for proc, _ in servers.values():
             proc.terminate()
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
 
+    rows = []
+    for (name, clients), done in runs.items():
+        d: dict[str, float] = {}
+        for run in done:
+            for k, v in run["counters"].items():
+                d[k] = d.get(k, 0.0) + v
+        outcomes = [o for run in done for o in run["outcomes"]]
+        wall = sum(run["wall"] for run in done)
+        forwards = max(d.get("eaglespec:spec_decode_num_target_forwards_total", 0.0), 1.0)
+        tokens = d.get("eaglespec:generation_tokens_total", 0.0)
+        lat = [o.latency for o in outcomes]
+        drafted = d.get("eaglespec:batch_sequences_drafted_total", 0.0)
+        sequences = drafted + d.get("eaglespec:batch_sequences_plain_total", 0.0)  # per batched step
+        ttft = [o.ttft for o in outcomes if o.ttft is not None]
+        rows.append({
+            "config": name, "method": method[name], "serve_args": configs[name], "max_batch": args.max_batch,
+            "concurrency": clients, "rounds": len(done), "requests": len(outcomes), "tokens": int(tokens),
+            "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
+            "tokens_per_s_by_round": [round(run["counters"].get("eaglespec:generation_tokens_total", 0.0)
+                                            / run["wall"], 1) for run in done],
+            "latency_p50_s": round(percentile(lat, 50), 2), "latency_p95_s": round(percentile(lat, 95), 2),
+            "ttft_p50_s": round(percentile(ttft, 50), 2), "ttft_p95_s": round(percentile(ttft, 95), 2),
+            "tau": round((d.get("eaglespec:spec_decode_num_accepted_tokens_total", 0.0) + forwards) / forwards, 2),
+            "mean_batch": round(sequences / max(d.get("eaglespec:batch_steps_total", 0.0), 1.0), 2),
+            "drafted_share": round(drafted / max(sequences, 1.0), 2),
+            "equal_to_single": all(run["equal"] for run in done),
+        })
+
     base = next(r["tokens_per_s"] for r in rows if r["concurrency"] == min(levels))
     for r in rows:
         r["x_single_plain"] = round(r["tokens_per_s"] / base, 2)
-    names = list(configs)
     checks = {"every greedy answer equals its single-request answer": all(r["equal_to_single"] for r in rows)}
     at8 = [r for r in rows if r["concurrency"] == 8]
     if at8:

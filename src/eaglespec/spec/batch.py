@@ -221,14 +221,17 @@ class BatchDecoder:
             plan, drafting = None, set(keys) if self.speculate == "always" else set()
         trees: list[DraftTree] = []
         draft_times: list[float] = []
+        catching_up = 0  # drafting sequences whose drafters read positions they skipped
         for e in entries:
             e.drafter.policy.mode = DRAFT if e.key in drafting else PLAIN
             target = self.pool[e.slot]
+            fresh = e.key in drafting and self.policy.catching_up(e.key)
             t0 = time.perf_counter()
             tree = e.seq.draft(room=target.max_context - 1 - target.cache_len)
             seconds = time.perf_counter() - t0
             if e.key in drafting:
-                self.policy.observe_draft(seconds)
+                catching_up += fresh
+                self.policy.observe_draft(seconds, catching_up=fresh)
                 if plan is not None:
                     tree = self.policy.prune(e.key, tree, plan)
             trees.append(tree)
@@ -266,7 +269,7 @@ class BatchDecoder:
             if e.seq.done:
                 del self.active[e.key]
         if entries and not prompt_rows:
-            self.policy.observe_round(len(entries), report.drafted, rows, time.perf_counter() - t_round)
+            self.policy.observe_round(len(entries), report.drafted, rows, time.perf_counter() - t_round, catching_up)
 
     # ---- to completion -----------------------------------------------------------------------------------------
     def run(self) -> Iterator[tuple[Hashable, Step | Finished]]:

@@ -26,14 +26,25 @@ CPU's caches, the bookkeeping of a tree). Until a drafted round has been timed a
 call's own time. A round without drafts is forced every `plain_every` rounds while everybody drafts, so the plain
 round time stays current.
 
+A sequence that did not draft in its last step catches up when it drafts again: its drafter reads the positions
+it skipped (the prompt, for a new sequence). That is a cost once per switch, not per round, so rounds with such a
+sequence do not feed d; their excess over d is the catch-up cost c, charged to probes (below).
+
+What a sequence accepts per drafted step is a running mean that starts from the batch's (as if seen `prior_weight`
+times) and then weighs each step 1/n, down to a floor of `smoothing`: the accepted count of one step is a coin flip
+per draft depth, and a short memory turns drafting off after a few unlucky steps and keeps it off (a sequence that
+does not draft is measured only by its probes): with EAGLE-2's first draft token accepted about half the time, a
+memory of 8 steps did so at batch 1 where drafting paid 1.3x.
+
 A sequence that has not drafted for a while drafts once to refresh what it accepts (the text changes): after
 `probe_every` of its plain steps, and after twice as many each time a probe did not make drafting pay (up to 16x),
 as spec.adaptive backs off its probes; its first steps draft unless the costs measured so far already rule it out.
 At most one sequence probes a round, so a busy batch does not pay for many catch-ups at once. Probes are an
-exploration budget, bounded in time: a probe's expected loss (its cost less the time its expected tokens are worth
-at the step's rate) is spent only while all probes' losses stay within `probe_share` of the rounds' time. So where
-drafting pays nobody, probes cost the batch at most that share of its speed against plain batched decoding, however
-many sequences come due and however much a probe's head must catch up on.
+exploration budget, bounded in time: a probe's expected loss (its cost, catch-up included, less the time its
+expected tokens are worth at the step's rate) is spent only while all probes' losses stay within `probe_share` of
+the rounds' time. So where drafting pays nobody, probes cost the batch about that share of its speed against plain
+batched decoding, however many sequences come due and however much a probe's head must catch up on (the catch-up
+cost is an estimate, from earlier catch-ups).
 """
 
 from __future__ import annotations
@@ -111,12 +122,14 @@ class LoadPolicy:
     """Chooses, each step, the sequences that draft and the nodes they verify (module docstring). Sequences are
     keyed by any hashable id; `forget` one that leaves."""
 
-    def __init__(self, tree_rows: int, probe_every: int = 16, smoothing: float = 0.25, prior_accepted: float = 1.0,
-                 plain_every: int = 64, probe_share: float = 0.02):
+    def __init__(self, tree_rows: int, probe_every: int = 16, smoothing: float = 1 / 32, prior_accepted: float = 1.0,
+                 plain_every: int = 64, probe_share: float = 0.02, prior_weight: int = 4):
         """`tree_rows`: draft rows of a full tree (the drafter's total_tokens - 1); `probe_share`: the share of the
-        rounds' time that probes may lose."""
+        rounds' time that probes may lose; `smoothing`: the least weight of a new measurement in the running means;
+        `prior_weight`: how many steps the batch's acceptance counts for in a new sequence's."""
         self.tree_rows = max(tree_rows, 1)
         self.probe_every, self.smoothing, self.plain_every = probe_every, smoothing, plain_every
+        self.prior_weight = prior_weight
         self.probe_share = probe_share
         self.elapsed = 0.0  # seconds of the rounds timed so far
         self.probe_loss = 0.0  # what the probes so far were expected to lose against plain steps
@@ -124,6 +137,7 @@ class LoadPolicy:
         self.rounds = StepCosts()  # plain rounds: seconds by sequences
         self.draft_seconds = 0.0  # per drafting sequence, the draft call alone (moving average; 0 until measured)
         self.overhead: float | None = None  # per drafting sequence, all it adds to a round but its rows' forward cost
+        self.catch_up = 0.0  # what a sequence drafting after plain steps adds beyond `overhead` (0 until measured)
         self.since_plain = 0  # rounds since the last one without drafts
         self.prior_accepted = prior_accepted  # what a new sequence is expected to accept (the batch's average)
         self.prior_depth_chances: list[float] = []  # the batch's depth_chances (Outlook), for new sequences
@@ -137,8 +151,18 @@ class LoadPolicy:
     def forget(self, key) -> None:
         self.outlooks.pop(key, None)
 
-    def _blend(self, old: float, new: float) -> float:
-        return old + self.smoothing * (new - old)
+    def _blend(self, old: float, new: float, weight: float | None = None) -> float:
+        return old + (self.smoothing if weight is None else weight) * (new - old)
+
+    def _weight(self, seen: int) -> float:
+        """The weight of a sequence's next measurement after `seen` of its own (its first from the batch's prior)."""
+        return max(1.0 / (seen + 1 + self.prior_weight), self.smoothing)
+
+    def catching_up(self, key) -> bool:
+        """Whether the sequence's drafter has positions to catch up on if it drafts now (it did not draft in its
+        last step, or never drafted)."""
+        o = self._outlook(key)
+        return o.drafted == 0 or o.since_draft > 0
 
     # ---- decisions -----------------------------------------------------------------------------------------
     def plan(self, keys: list) -> Plan:
@@ -161,7 +185,8 @@ class LoadPolicy:
             period = o.probe_period or self.probe_every
             # at most one probe a round: a busy batch does not pay for many sequences' catch-up at once
             probe = not pays and not probed and (o.since_draft >= period or o.drafted == 0)
-            loss = max(added - o.accepted * plan.seconds / plan.tokens, 0.0)  # what the probe costs beyond its worth
+            # what the probe costs beyond its worth
+            loss = max(added + self.catch_up - o.accepted * plan.seconds / plan.tokens, 0.0)
             if probe and self.probe_loss + loss > self.probe_share * self.elapsed:
                 probe = False  # the exploration budget is spent: wait
             elif probe:
@@ -210,16 +235,16 @@ class LoadPolicy:
         for d in range(depth):
             if d == len(chances):
                 chances.append(1.0)
-            chances[d] = self._blend(chances[d], float(accepted > d))
+            chances[d] = self._blend(chances[d], float(accepted > d), weight=0.25)
 
     # ---- what happened -------------------------------------------------------------------------------------
     def observe_step(self, rows: int, seconds: float) -> None:
         """A batched forward of `rows` rows took `seconds`."""
         self.costs.observe(rows, seconds)
 
-    def observe_round(self, sequences: int, drafting: int, rows: int, seconds: float) -> None:
+    def observe_round(self, sequences: int, drafting: int, rows: int, seconds: float, catching_up: int = 0) -> None:
         """A whole round (drafting, the verify forward of `rows` rows, acceptance) of `sequences` sequences, of which
-        `drafting` drafted, took `seconds`."""
+        `drafting` drafted (`catching_up` of them after plain steps, see `catching_up`), took `seconds`."""
         self.elapsed += seconds
         if drafting == 0:
             self.rounds.observe(sequences, seconds)
@@ -229,11 +254,19 @@ class LoadPolicy:
         if not self.rounds.known:
             return
         excess = seconds - self.rounds.time(sequences) - (self.costs.time(rows) - self.costs.time(sequences))
+        if catching_up:  # a once-per-switch cost: the catch-up estimate, not the steady overhead
+            steady = self.draft_seconds if self.overhead is None else self.overhead
+            each = max((excess - drafting * steady) / catching_up, 0.0)
+            self.catch_up = self._blend(self.catch_up, each, weight=0.25)
+            return
         each = max(excess / drafting, 0.0)
         self.overhead = each if self.overhead is None else self._blend(self.overhead, each)
 
-    def observe_draft(self, seconds: float) -> None:
-        """One sequence's drafting took `seconds`."""
+    def observe_draft(self, seconds: float, catching_up: bool = False) -> None:
+        """One sequence's drafting took `seconds` (`catching_up`: see `catching_up`; such a draft's time is not the
+        steady draft time, and is left out)."""
+        if catching_up:
+            return
         self.draft_seconds = seconds if self.draft_seconds == 0.0 else self._blend(self.draft_seconds, seconds)
 
     def observe_sequence(self, key, tree: DraftTree, accepted: int) -> None:
@@ -248,9 +281,10 @@ class LoadPolicy:
                 o.depth_chances = list(self.prior_depth_chances)  # the batch's, until it has its own
             self._observe_depths(o.depth_chances, tree.max_depth, accepted)
             self._observe_depths(self.prior_depth_chances, tree.max_depth, accepted)
-        o.accepted = self._blend(o.accepted, accepted) if o.drafted else float(accepted)
-        o.predicted = self._blend(o.predicted, predicted) if o.drafted else predicted
-        o.rows = self._blend(o.rows, len(tree) - 1) if o.drafted else float(len(tree) - 1)
+        weight = self._weight(o.drafted)
+        o.accepted = self._blend(o.accepted, accepted, weight)
+        o.predicted = self._blend(o.predicted, predicted, weight) if o.drafted else predicted
+        o.rows = self._blend(o.rows, len(tree) - 1, weight) if o.drafted else float(len(tree) - 1)
         o.drafted += 1
         o.since_draft = 0
         self.prior_accepted = self._blend(self.prior_accepted, accepted)
