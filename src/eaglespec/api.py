@@ -19,6 +19,7 @@ from .backends.cpu import kernels as cpu_kernels
 from .backends.cpu.apply import eagle_drafter
 from .backends.cpu.quant import check_mode
 from .drafters import DRAFT_MODEL_METHODS, HEAD_METHODS, METHODS, Drafter, TreeSettings, VanillaDrafter
+from .drafters.lookup import Stage2
 from .errors import EagleSpecError
 from .heads import DraftHead, check_head_fits, load_head
 from .models import DEFAULT_MODEL, load_target, shipped_head_dir
@@ -33,6 +34,15 @@ from .targets.pool import TargetPool
 Prompt = str | list[dict]
 MODES = {"eagle2": "dynamic", "eagle1": "static", "chain": "chain"}
 DEFAULT_MAX_BATCH = 8  # sequences decoded together (Engine.batch_decoder, eaglespec serve --max-batch)
+
+
+def check_extend(extend: int, method: str) -> int:
+    """`extend` as given, if it applies to `method` (EAGLE heads' drafts)."""
+    if extend < 0:
+        raise EagleSpecError(f"extend must be 0 (no stage-2 continuation) or a positive count, got {extend}")
+    if extend and method not in HEAD_METHODS:
+        raise EagleSpecError(f"extend continues an EAGLE head's draft; method '{method}' has no head: drop it")
+    return extend
 
 
 def default_max_batch(device: torch.device) -> int:
@@ -68,6 +78,7 @@ class Engine:
         exact: bool | None = None,
         compile: bool = False,
         ngram: str | Path | None = None,
+        extend: int = 0,
     ):
         """`tree`: "auto" (EAGLE-2 / chain: this machine's cached calibration, else a default for its CPU class,
         refined while generating by the adaptive policy), "calibrate" (measure now, cache when undisturbed), explicit
@@ -83,7 +94,10 @@ class Engine:
         sees, else the CPU), "cpu", "cuda" or "cuda:N".
         `compile`: the target's decode steps through torch.compile (fast path; tens of seconds at start).
         `ngram` (method "staged"): a corpus n-gram model (`eaglespec train ngram`) guessing the draft model's chain
-        where the context's own n-grams do not."""
+        where the context's own n-grams do not (and, with `extend`, an EAGLE draft's continuation).
+        `extend` (EAGLE heads): up to this many stage-2 guesses (the context's n-grams, then `ngram`'s) added to each
+        draft tree, as a chain from the root through the head's nodes they match, for the target to verify
+        (eaglespec.drafters.eagle; 0: none)."""
         if method not in METHODS:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
         if method in DRAFT_MODEL_METHODS and not draft_model:
@@ -94,7 +108,7 @@ class Engine:
         dtype = parse_dtype(dtype, device, bf16_kernels=cpu_kernels.available(torch.bfloat16, device))
         hf_model, tokenizer = load_target(model, dtype=dtype, device=device, one_copy=True)
         self.notice = ""
-        self.ngram = ngram
+        self.ngram, self.extend = ngram, check_extend(extend, method)
         head_module = None
         self.draft_hf_model = (load_target(draft_model, dtype=dtype, device=device, one_copy=True)[0]
                                if method in DRAFT_MODEL_METHODS else None)
@@ -116,7 +130,7 @@ class Engine:
     def from_model(cls, hf_model, tokenizer, head: DraftHead | None = None, method: str = "eagle2",
                    tree: TreeSettings | str | None = None, draft_hf_model=None, backend: str = "auto",
                    adapt: bool = True, quantize: str | None = None, exact: bool | None = None,
-                   compile: bool = False, ngram: str | Path | None = None) -> "Engine":
+                   compile: bool = False, ngram: str | Path | None = None, extend: int = 0) -> "Engine":
         """Wrap an already loaded transformers model (and optionally a head, or a draft model for sps).
         `tree` as for `Engine()`, but None (the fixed defaults) by default. A head on another device than the model
         is moved to the model's (in place, as `nn.Module.to` does)."""
@@ -129,7 +143,7 @@ class Engine:
         if method in DRAFT_MODEL_METHODS and draft_hf_model is None:
             raise EagleSpecError(f"method '{method}' needs a draft model")
         engine.draft_hf_model = draft_hf_model
-        engine.ngram = ngram
+        engine.ngram, engine.extend = ngram, check_extend(extend, method)
         engine._setup(hf_model, tokenizer, head if method in HEAD_METHODS else None, method, tree, "the head",
                       backend, adapt, quantize, exact, compile)
         return engine
@@ -181,26 +195,31 @@ class Engine:
             return eagle_drafter(head, self.target.embed_tokens, self.target.lm_head, MODES[method], tree,
                                  compile=bool(getattr(self.target, "compiled", False)),
                                  use_kernels=bool(getattr(self.target, "bf16_gemm", False)),
-                                 target_logits=self.target.logits_head if getattr(self.target, "pack", False) else None)
+                                 target_logits=self.target.logits_head if getattr(self.target, "pack", False) else None,
+                                 stage2=self._stage2() if self.extend else None, extend=self.extend)
         if method == "pld":
             from .drafters.lookup import PromptLookupDrafter
 
             return PromptLookupDrafter(tree)
         if method in DRAFT_MODEL_METHODS:
             from .drafters.draft_model import DraftModelDrafter
-            from .drafters.ngram import NgramModel, Stage2Chain
-            from .drafters.staged import StagedDrafter, context_lookup
+            from .drafters.staged import StagedDrafter
 
             # Not exact: a draft's bits change which tokens are proposed, never the output (steps on eaglespec's
             # kernels are row-invariant anyway, and then staged drafts are sps's drafts)
             draft_target = make_target(self.draft_hf_model, feature_kind=None, exact=False)
             if method == "sps":
                 return DraftModelDrafter(draft_target, tree, dynamic=dynamic)
-            stage2 = context_lookup()
-            if self.ngram is not None:  # the context's n-grams first, then the corpus model's
-                stage2 = Stage2Chain([stage2, NgramModel.load(self.ngram)])
-            return StagedDrafter(draft_target, tree, stage2=stage2, dynamic=dynamic)
+            return StagedDrafter(draft_target, tree, stage2=self._stage2(), dynamic=dynamic)
         return VanillaDrafter()
+
+    def _stage2(self) -> Stage2:
+        """The second stage: the context's n-grams, then the corpus n-gram model's (`ngram`) where given."""
+        from .drafters.lookup import context_lookup
+        from .drafters.ngram import NgramModel, Stage2Chain
+
+        stage2 = context_lookup()
+        return Stage2Chain([stage2, NgramModel.load(self.ngram)]) if self.ngram is not None else stage2
 
     @property
     def drafter(self) -> Drafter:

@@ -95,7 +95,10 @@ def model_options(p: argparse.ArgumentParser) -> None:
                    help="int8 / int4 weight-only target on a CPU (a slightly different model, decoded "
                         "losslessly)")
     e.add_argument("--ngram", default=None, metavar="FILE",
-                   help="--method staged: a corpus n-gram model (eaglespec train ngram) for the second stage")
+                   help="--method staged or --extend: a corpus n-gram model (eaglespec train ngram) for stage 2")
+    e.add_argument("--extend", type=int, default=0, metavar="N",
+                   help="EAGLE heads: add up to N stage-2 guesses (context n-grams, then --ngram) to each draft "
+                        "tree")
     e.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="EAGLE-1 head: draft over its N most frequent tokens (0: all; default: the head's)")
     for option in ("--total-tokens", "--depth", "--tree-top-k"):
@@ -178,8 +181,14 @@ def check_combinations(args: argparse.Namespace) -> None:
     if method in DRAFT_MODEL_METHODS and not args.draft_model:
         raise EagleSpecError(f"--method {method} needs --draft-model MODEL, a smaller model sharing the target's "
                              "tokenizer")
-    if getattr(args, "ngram", None) and method != "staged":
-        raise EagleSpecError("--ngram is the second stage of --method staged: add --method staged or drop --ngram")
+    extend = getattr(args, "extend", 0) or 0
+    if extend < 0:
+        raise EagleSpecError(f"--extend must be 0 (none) or a positive count of guesses, got {extend}")
+    if extend and method not in HEAD_METHODS:
+        raise EagleSpecError(f"--extend continues an EAGLE head's draft; --method {method} has no head: drop --extend")
+    if getattr(args, "ngram", None) and method != "staged" and not extend:
+        raise EagleSpecError("--ngram is the second stage of --method staged (or of --extend N with a head): add one "
+                             "or drop --ngram")
     if method not in HEAD_METHODS:
         if args.head not in ("auto", None, ""):
             raise EagleSpecError(f"--method {method} drafts without a head: drop --head")
@@ -236,7 +245,7 @@ def build_engine(args: argparse.Namespace):
     engine = Engine(model=args.model, head=args.head, method=args.method, device=args.device, dtype=args.dtype,
                     tree=tree_from_args(args), draft_model=args.draft_model, backend=args.backend,
                     draft_vocab=args.draft_vocab, quantize=args.quantize, exact=args.exact, compile=args.compile,
-                    ngram=args.ngram)
+                    ngram=args.ngram, extend=args.extend)
     if engine.notice:
         print(f"note: {engine.notice}", file=sys.stderr)
     return engine

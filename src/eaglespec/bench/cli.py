@@ -38,8 +38,8 @@ def register(subparsers, model_options, sampling_options) -> None:
     g.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and method (median kept)")
     g.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method")
     g.add_argument("--sweep", default=None,
-                   help="one variant per value of a tree setting, e.g. total_tokens=8,16,32 (also depth, top_k); "
-                        "the others from --tree (16,5,4 with --tree auto)")
+                   help="one variant per value of a tree setting, e.g. total_tokens=8,16,32 (also depth, top_k; "
+                        "the others from --tree, 16,5,4 with --tree auto), or of the heads' --extend (extend=0,8)")
     g.add_argument("--adapt", action="store_true",
                    help="with --tree auto, also time each tree-auto method (eagle2, eagle3, chain) and each chain "
                         "method (pld, sps, staged) switching between drafting and plain decoding as generate does "
@@ -184,6 +184,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         backend=getattr(args, "backend", "auto"), draft_vocab=args.draft_vocab,
                         quantize=None if args.quantize == "none" else args.quantize, exact=args.exact,
                         compile=args.compile, adapt=args.adapt, ngram=getattr(args, "ngram", None),
+                        extend=getattr(args, "extend", 0),
                         draft_model_name=args.draft_model, progress=not args.no_progress,
                         peer=PeerOptions(python=parse_peer_python(args.peer_python),
                                          draft_tokens=args.peer_draft_tokens, openvino_weights=args.openvino_weights,
@@ -217,6 +218,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   "tree": tree if isinstance(tree, str) else {"total_tokens": tree.total_tokens,
                                                               "depth": tree.depth, "top_k": tree.top_k},
                   "draft_vocab": args.draft_vocab, "ngram": getattr(args, "ngram", None),
+                  "extend": getattr(args, "extend", 0),
                   "sweep": args.sweep, "head": str(head) if head else None, "head3": str(head3) if head3 else None,
                   "draft_model": args.draft_model, "categories": args.categories, "limit": args.limit,
                   "per_category": args.per_category, "turns": args.turns,

@@ -44,7 +44,9 @@ SWEEP_AFFECTS = {
     "total_tokens": ("eagle2", "eagle3", "staged"),
     "depth": ("eagle2", "eagle3", "chain", "pld", "sps", "staged", "oracle"),
     "top_k": ("eagle2", "eagle3", "staged"),
+    "extend": ("eagle2", "eagle3", "eagle1", "chain"),  # not a tree setting: the stage-2 guesses added to one
 }
+SWEEP_KEYS = (*TREE_KEYS, "extend")
 HF_PLD_TOKENS = 10  # transformers' documented prompt_lookup_num_tokens example value
 
 class HFMethod(BenchMethod):
@@ -135,7 +137,8 @@ class MethodContext:
     head_dir: Path | None = None  # EAGLE head for eagle2 / eagle1 / chain
     head3_dir: Path | None = None  # EAGLE-3 head for eagle3
     draft_model: object | None = None  # sps, staged and hf-assisted
-    ngram: str | None = None  # staged: a corpus n-gram model for its second stage
+    ngram: str | None = None  # staged (and heads' `extend`): a corpus n-gram model for the second stage
+    extend: int = 0  # heads' methods: stage-2 guesses added to each draft tree
     dtype: torch.dtype = torch.float32
     threads: int = 1
     eos_ids: list[int] = field(default_factory=list)
@@ -201,8 +204,8 @@ def parse_sweep(text: str | None) -> tuple[str, list[int]] | None:
         return None
     key, sep, values = text.partition("=")
     key = key.strip().replace("-", "_")
-    if not sep or key not in TREE_KEYS:
-        raise EagleSpecError(f"--sweep must look like KEY=V1,V2,... with KEY one of {', '.join(TREE_KEYS)}; "
+    if not sep or key not in SWEEP_KEYS:
+        raise EagleSpecError(f"--sweep must look like KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}; "
                              f"got '{text}'")
     try:
         numbers = [int(v) for v in values.split(",") if v.strip()]
@@ -211,7 +214,11 @@ def parse_sweep(text: str | None) -> tuple[str, list[int]] | None:
     if not numbers:
         raise EagleSpecError("--sweep needs at least one value")
     for v in numbers:
-        TreeSettings(**{**_tree_dict(TreeSettings()), key: v})  # validates the range
+        if key == "extend":
+            if v < 0:
+                raise EagleSpecError(f"--sweep extend values must be 0 or more, got {v}")
+        else:
+            TreeSettings(**{**_tree_dict(TreeSettings()), key: v})  # validates the range
     return key, list(dict.fromkeys(numbers))
 
 
@@ -280,13 +287,18 @@ def build_methods(names: list[str], ctx: MethodContext,
         values = sweep[1] if sweep and name in SWEEP_AFFECTS[sweep[0]] else [None]
         for value in values:
             base = TreeSettings() if ctx.tree == "auto" else ctx.tree
-            tree = ctx.tree if value is None else TreeSettings(**{**_tree_dict(base), sweep[0]: value})
+            swept_extend = value is not None and sweep[0] == "extend"
+            tree = (ctx.tree if value is None or swept_extend
+                    else TreeSettings(**{**_tree_dict(base), sweep[0]: value}))
+            extend = (value if swept_extend else ctx.extend) if head is not None else 0
             engine = Engine.from_model(ctx.model, ctx.tokenizer, head=head, method=engine_method, tree=tree,
                                        draft_hf_model=ctx.draft_model if name in ("sps", "staged") else None,
                                        backend=ctx.backend, adapt=False, quantize=ctx.quantize,
                                        exact=ctx.exact, compile=ctx.compile,
-                                       ngram=ctx.ngram if name == "staged" else None)
+                                       ngram=ctx.ngram if name == "staged" or extend else None, extend=extend)
             settings = {"target": type(engine.target).__name__, "quantize": ctx.quantize}
+            if extend:
+                settings["extend"] = extend
             if name != "vanilla":
                 drafter_settings = getattr(engine.drafter, "settings", None)
                 settings["tree"] = _tree_dict(drafter_settings if drafter_settings is not None else base)

@@ -1,5 +1,17 @@
 """`EagleDrafter`: an EAGLE head drafting an EAGLE-2 dynamic tree, an EAGLE-1 static tree, or a chain, over the
-target's features (Li et al., 2024: arXiv 2401.15077, 2406.16858, 2503.01840)."""
+target's features (Li et al., 2024: arXiv 2401.15077, 2406.16858, 2503.01840).
+
+A second stage for an EAGLE head (`extend`). Staged decoding's second stage (drafters.staged) speeds up a draft
+model by checking several guessed tokens in one of its forwards; an EAGLE head cannot be sped up that way, because
+its step at position t + 1 reads its own output feature at t (feature-level autoregression): a guessed token's row
+needs the row before it computed first, so a forward still adds one token. What a stage-2 drafter can do for an
+EAGLE head is add to its draft at no head forward: its guesses for what follows the context (the context's n-grams,
+then a corpus n-gram model) are merged into the tree as a chain from the root, down through the head's nodes that
+they match and on past them as new nodes, for the target to verify in the same pass. Where the head's likeliest
+path and the guesses agree, the guesses carry it deeper; where the head is wrong and the context repeats itself,
+they are a branch of their own. It pays where verify rows are cheap and the text repeats itself (code that restates
+its task).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +25,11 @@ from ..heads.base import DraftHead
 from ..spec.tree import EAGLE1_CHOICES, DraftTree, validate_choices
 from ..targets.traffic import tensor_bytes
 from .base import Drafter, DraftWork, TreeSettings
+from .lookup import Stage2
+
+# the score step of each appended stage-2 guess (a nominal log-probability: the guesses have no draft distribution,
+# and a chain's scores must fall down the tree)
+GUESS_LOGP = -0.7
 
 
 class EagleDrafter(Drafter):
@@ -23,13 +40,18 @@ class EagleDrafter(Drafter):
 
     def __init__(self, head: DraftHead, embed_tokens, lm_head, mode: str = "dynamic",
                  settings: TreeSettings | None = None, step: Callable | None = None,
-                 topk: Callable[[Tensor, int], tuple[Tensor, Tensor]] | None = None):
+                 topk: Callable[[Tensor, int], tuple[Tensor, Tensor]] | None = None,
+                 stage2: Stage2 | None = None, extend: int = 0):
         """`head` as it runs (a backend may have swapped its products: eaglespec.backends.cpu.apply); `step` its
         decoder-layer step, (hidden, token_embeds, positions, cache, mask) -> [T, d] (default `head.step`; a
         compiled one); `topk` the k best children of each row, (scores [N, V], k) -> (values, indices) with equal
-        scores in any order (default torch.topk)."""
+        scores in any order (default torch.topk); `extend`: up to this many `stage2` guesses appended under the
+        tree's likeliest path (module docstring)."""
         if mode not in ("dynamic", "static", "chain"):
             raise ValueError(f"unknown draft mode {mode}")
+        if extend < 0 or (extend and stage2 is None):
+            raise ValueError(f"extend must be >= 0 and needs a stage-2 drafter, got {extend}")
+        self.stage2, self.extend = stage2, extend
         self.head = head
         self.step = step or head.step
         self.topk = topk or partial(torch.topk, dim=-1)
@@ -87,12 +109,36 @@ class EagleDrafter(Drafter):
     @torch.inference_mode()
     def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
         grow = self.start_round(tokens, new_features)
-        if self.mode == "static":
-            return grow.static(self.choices)
         s = self.settings
-        if self.mode == "chain":
-            return grow.dynamic(total_tokens=s.depth + 1, depth=s.depth, top_k=1)
-        return grow.dynamic(total_tokens=s.total_tokens, depth=s.depth, top_k=s.top_k)
+        if self.mode == "static":
+            tree = grow.static(self.choices)
+        elif self.mode == "chain":
+            tree = grow.dynamic(total_tokens=s.depth + 1, depth=s.depth, top_k=1)
+        else:
+            tree = grow.dynamic(total_tokens=s.total_tokens, depth=s.depth, top_k=s.top_k)
+        return merge_guesses(tree, tokens, self.stage2, self.extend) if self.extend else tree
+
+
+def merge_guesses(tree: DraftTree, tokens: Tensor, stage2: Stage2, length: int) -> DraftTree:
+    """`tree` with the guesses of `stage2` for what follows the context `tokens` [L] (which ends with the root)
+    merged in as a chain from the root: down through the nodes whose tokens they match, then as up to `length` new
+    nodes, each scoring `GUESS_LOGP` below its parent."""
+    ids, parents, scores = list(tree.token_list()), tree.parents.tolist(), tree.scores  # (copies: appended to)
+    scores = [0.0] * len(ids) if scores is None else scores.tolist()
+    kids = tree.children()
+    node, added = 0, 0
+    for token in stage2(tokens.cpu(), length + tree.max_depth):
+        match = next((c for c in kids[node] if ids[c] == token), None) if node < len(kids) else None
+        if match is not None:
+            node = match
+            continue
+        if added == length:
+            break
+        ids.append(int(token))
+        parents.append(node)
+        scores.append(scores[node] + GUESS_LOGP)
+        node, added = len(ids) - 1, added + 1
+    return DraftTree.from_lists(ids, parents, scores) if added else tree
 
 
 class TreeGrowth:

@@ -7,10 +7,16 @@ proposed as a chain. It pays off when the answer repeats the prompt (code edits,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor
 
 from ..spec.tree import DraftTree, chain
 from .base import Drafter, TreeSettings
+
+# a stage-2 drafter (staged decoding's second stage, or an EAGLE draft's continuation): (the tokens so far [L], how
+# many to guess at most) -> guessed continuation (possibly empty)
+Stage2 = Callable[[Tensor, int], list[int]]
 
 
 def find_continuation(tokens: Tensor, max_ngram: int = 3, min_ngram: int = 1, length: int = 5) -> list[int]:
@@ -31,6 +37,14 @@ def find_continuation(tokens: Tensor, max_ngram: int = 3, min_ngram: int = 1, le
             start = int(hits[-1]) + n  # first token after the most recent occurrence
             return tokens[start : start + length].tolist()
     return []
+
+
+def context_lookup(max_ngram: int = 3, min_ngram: int = 1) -> Stage2:
+    """Stage 2 from the context itself: what followed the most recent earlier occurrence of its last n-gram."""
+    def guess(tokens: Tensor, length: int) -> list[int]:
+        return find_continuation(tokens, max_ngram, min_ngram, length)
+
+    return guess
 
 
 class PromptLookupDrafter(Drafter):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -35,20 +34,10 @@ from ..spec.tree import DraftTree, chain
 from ..targets.hf import TargetModel
 from .base import DraftWork, TreeSettings
 from .draft_model import DraftModelDrafter
-from .lookup import find_continuation
+from .lookup import Stage2, context_lookup
 
-# stage 2: (the tokens so far [L], how many to guess at most) -> guessed continuation (possibly empty)
-Stage2 = Callable[[Tensor, int], list[int]]
 # the draft model's likeliest tokens after one row: (log-probabilities [k], token ids [k]), the likeliest first
 Ranked = tuple[list[float], list[int]]
-
-
-def context_lookup(max_ngram: int = 3, min_ngram: int = 1) -> Stage2:
-    """Stage 2 from the context itself: what followed the most recent earlier occurrence of its last n-gram."""
-    def guess(tokens: Tensor, length: int) -> list[int]:
-        return find_continuation(tokens, max_ngram, min_ngram, length)
-
-    return guess
 
 
 class StagedDrafter(DraftModelDrafter):

@@ -1,0 +1,99 @@
+"""A second stage for an EAGLE head (`extend`): stage-2 guesses merged into the draft tree as a chain from the root.
+The tree keeps its nodes, the guesses run through the nodes they match and on as new ones scoring below their
+parents, greedy output equals plain decoding, and where the text repeats itself the target accepts guesses the head
+did not draft."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from conftest import TinyTokenizer, make_model
+from test_engine import random_head, vanilla_tokens
+
+from eaglespec import Engine, TreeSettings
+from eaglespec.cli import check_options
+from eaglespec.drafters.eagle import GUESS_LOGP, EagleDrafter, merge_guesses
+from eaglespec.errors import EagleSpecError
+from eaglespec.spec.tree import DraftTree
+
+
+def test_guesses_run_through_the_nodes_they_match_then_hang_as_a_chain():
+    # root 9 -> (1: -0.2, 2: -0.9); 1 -> (3: -0.6, 4: -0.4); 2 -> (5: -1.0)
+    tree = DraftTree.from_lists([9, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 2], [0.0, -0.2, -0.9, -0.6, -0.4, -1.0])
+    seen = []
+
+    def stage2(context: torch.Tensor, length: int) -> list[int]:
+        seen.append((context.tolist(), length))
+        return [1, 4, 7, 8, 6]
+
+    out = merge_guesses(tree, torch.tensor([5, 6, 9]), stage2, 2)
+    assert seen == [([5, 6, 9], 2 + 2)]  # the context; as many guesses as new nodes plus the tree's depth
+    assert out.token_list()[:6] == tree.token_list() and out.parents.tolist()[:6] == tree.parents.tolist()
+    assert out.token_list()[6:] == [7, 8] and out.parents.tolist()[6:] == [4, 6]  # under 9 -> 1 -> 4; 2 new nodes
+    assert out.scores.tolist()[6:] == pytest.approx([-0.4 + GUESS_LOGP, -0.4 + 2 * GUESS_LOGP])
+    assert out.prune(3).token_list() == [9, 1, 4]  # guesses score below every node they hang under
+    apart = merge_guesses(tree, torch.tensor([9]), lambda c, n: [3, 1], 4)  # no child of the root is 3
+    assert apart.token_list()[6:] == [3, 1] and apart.parents.tolist()[6:] == [0, 6]
+    assert merge_guesses(tree, torch.tensor([9]), lambda c, n: [], 3) is tree
+    assert merge_guesses(tree, torch.tensor([9]), lambda c, n: [2, 5], 3) is tree  # all matched: nothing new
+    root = merge_guesses(DraftTree.root_only(9), torch.tensor([9]), lambda c, n: [3, 4], 2)
+    assert root.token_list() == [9, 3, 4] and root.parents.tolist() == [-1, 0, 1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("method", ["eagle2", "chain", "eagle1"])
+def test_extended_drafts_keep_greedy_output(arch, method):
+    model = make_model(arch)
+    prompt = [5, 17, 33, 2, 9, 40] * 4  # repetitive: the context's n-grams guess something
+    tree = None if method == "eagle1" else TreeSettings(total_tokens=6, depth=2, top_k=2)
+    engine = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle3"), method=method, tree=tree,
+                               adapt=False, extend=6)
+    drafter = engine.drafter
+    assert isinstance(drafter, EagleDrafter) and drafter.extend == 6
+    for p in (prompt, [60, 61, 62, 63, 64, 60, 61, 62]):
+        assert engine.generate(p, max_new_tokens=40).tokens == vanilla_tokens(model, p, 40), (arch, method, p)
+
+
+def test_guesses_are_accepted_past_the_heads_depth_where_the_text_repeats():
+    """A random head's drafts are rarely accepted; on a context that the target continues by repeating itself, the
+    guesses are, so tau rises above what the head's depth allows alone."""
+    model = make_model("llama")
+    prompt = list(range(10, 30))
+    continuation = vanilla_tokens(model, prompt, 48)
+    looped = prompt + continuation  # the target's own text, so its n-grams recur in what follows
+    expected = vanilla_tokens(model, looped + continuation, 40)
+    tree = TreeSettings(total_tokens=3, depth=1, top_k=2)
+    plain = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle3"), method="eagle2", tree=tree,
+                              adapt=False)
+    extended = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle3"), method="eagle2",
+                                 tree=tree, adapt=False, extend=8)
+    without = plain.generate(looped + continuation, max_new_tokens=40)
+    with_guesses = extended.generate(looped + continuation, max_new_tokens=40)
+    assert with_guesses.tokens == without.tokens == expected
+    assert with_guesses.stats.tau > max(2.0, without.stats.tau)  # depth 1 alone gives at most 2
+
+
+def test_bad_extend_is_refused_with_what_to_do():
+    model = make_model("llama")
+    with pytest.raises(EagleSpecError, match="positive count"):
+        Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle3"), extend=-1)
+    with pytest.raises(EagleSpecError, match="has no head"):
+        Engine.from_model(model, TinyTokenizer(), method="vanilla", extend=4)
+    base = dict(temperature=0.0, top_p=1.0, top_k=0, seed=None, max_new_tokens=8, device=None, draft_vocab=None,
+                tree="auto", head="auto", prompt="hi", draft_model=None, ngram=None, extend=4)
+    with pytest.raises(EagleSpecError, match="--extend continues an EAGLE head's draft"):
+        check_options(argparse.Namespace(**{**base, "method": "pld"}))
+    with pytest.raises(EagleSpecError, match="--ngram is the second stage"):
+        check_options(argparse.Namespace(**{**base, "method": "eagle2", "extend": 0, "ngram": "x.safetensors"}))
+    check_options(argparse.Namespace(**{**base, "method": "eagle2", "ngram": "x.safetensors"}))  # with --extend
+
+
+def test_bench_sweeps_extend_over_the_heads_methods():
+    from eaglespec.bench.methods import SWEEP_AFFECTS, parse_sweep
+
+    assert parse_sweep("extend=0,8") == ("extend", [0, 8])
+    assert "eagle2" in SWEEP_AFFECTS["extend"] and "sps" not in SWEEP_AFFECTS["extend"]
+    with pytest.raises(EagleSpecError, match="0 or more"):
+        parse_sweep("extend=-1")
