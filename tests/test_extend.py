@@ -1,7 +1,7 @@
 """A second stage for an EAGLE head (`extend`): stage-2 guesses merged into the draft tree as a chain from the root.
 The tree keeps its nodes, the guesses run through the nodes they match and on as new ones scoring below their
-parents, greedy output equals plain decoding, and where the text repeats itself the target accepts guesses the head
-did not draft."""
+parents, under --tree auto only as many as are worth their verify rows, greedy output equals plain decoding, and
+where the text repeats itself the target accepts guesses the head did not draft."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from test_engine import random_head, vanilla_tokens
 
 from eaglespec import Engine, TreeSettings
 from eaglespec.cli import check_options
-from eaglespec.drafters.eagle import GUESS_LOGP, EagleDrafter, merge_guesses
+from eaglespec.drafters.chain_length import GuessCount
+from eaglespec.drafters.eagle import GUESS_LOGP, EagleDrafter, matched_guesses, merge_guesses
 from eaglespec.errors import EagleSpecError
 from eaglespec.spec.tree import DraftTree
 
@@ -22,24 +23,39 @@ from eaglespec.spec.tree import DraftTree
 def test_guesses_run_through_the_nodes_they_match_then_hang_as_a_chain():
     # root 9 -> (1: -0.2, 2: -0.9); 1 -> (3: -0.6, 4: -0.4); 2 -> (5: -1.0)
     tree = DraftTree.from_lists([9, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 2], [0.0, -0.2, -0.9, -0.6, -0.4, -1.0])
-    seen = []
-
-    def stage2(context: torch.Tensor, length: int) -> list[int]:
-        seen.append((context.tolist(), length))
-        return [1, 4, 7, 8, 6]
-
-    out = merge_guesses(tree, torch.tensor([5, 6, 9]), stage2, 2)
-    assert seen == [([5, 6, 9], 2 + 2)]  # the context; as many guesses as new nodes plus the tree's depth
+    assert matched_guesses(tree, [1, 4, 7, 8, 6]) == (4, 2)
+    out = merge_guesses(tree, [1, 4, 7, 8, 6], 2)
     assert out.token_list()[:6] == tree.token_list() and out.parents.tolist()[:6] == tree.parents.tolist()
     assert out.token_list()[6:] == [7, 8] and out.parents.tolist()[6:] == [4, 6]  # under 9 -> 1 -> 4; 2 new nodes
     assert out.scores.tolist()[6:] == pytest.approx([-0.4 + GUESS_LOGP, -0.4 + 2 * GUESS_LOGP])
     assert out.prune(3).token_list() == [9, 1, 4]  # guesses score below every node they hang under
-    apart = merge_guesses(tree, torch.tensor([9]), lambda c, n: [3, 1], 4)  # no child of the root is 3
+    apart = merge_guesses(tree, [3, 1], 4)  # no child of the root is 3
     assert apart.token_list()[6:] == [3, 1] and apart.parents.tolist()[6:] == [0, 6]
-    assert merge_guesses(tree, torch.tensor([9]), lambda c, n: [], 3) is tree
-    assert merge_guesses(tree, torch.tensor([9]), lambda c, n: [2, 5], 3) is tree  # all matched: nothing new
-    root = merge_guesses(DraftTree.root_only(9), torch.tensor([9]), lambda c, n: [3, 4], 2)
+    assert merge_guesses(tree, [], 3) is tree
+    assert merge_guesses(tree, [2, 5], 3) is tree  # all matched: nothing new
+    assert merge_guesses(tree, [1, 4, 7], 0) is tree
+    root = merge_guesses(DraftTree.root_only(9), [3, 4], 2)
     assert root.token_list() == [9, 3, 4] and root.parents.tolist() == [-1, 0, 1]
+
+
+def test_guess_count_takes_the_guesses_worth_their_rows():
+    """alpha^d T / E > b, depth by depth: all guesses where they hold and rows are cheap, none where they rarely
+    hold or rows cost much; every guess until a round has been timed."""
+    count = GuessCount(8)
+    assert count.next(0, 4) == 8
+    for rows in (4, 12, 8, 12, 4, 8):  # a round of R rows takes 0.1 + 0.001 R s and commits 5 tokens
+        count.observe_round(8, 6, rows, 5, 0.1 + 0.001 * rows)
+    assert count.alpha > 0.7 and count.costs.b == pytest.approx(0.001)
+    assert count.next(0, 4) == 8
+    for _ in range(30):  # guesses rarely hold
+        count.observe_round(8, 0, 12, 2, 0.112)
+    # alpha ~0.11 and T / E ~0.052 s: the first guess (0.0057 s of tokens) still pays its 1 ms row, the second not
+    assert count.alpha < 0.15 and count.next(0, 4) == 1 and count.next(1, 4) == 0
+    costly = GuessCount(8, prior_alpha=0.6, prior_weight=1e6)  # alpha pinned at 0.6
+    for rows in (4, 12, 8, 12, 4, 8):  # each row costs 2% of a round committing 2 tokens
+        costly.observe_round(8, 0, rows, 2, 0.1 + 0.002 * rows)
+    # T / E ~ 0.056 s a token: 0.6^d * 0.056 > 0.002 while d <= 6; three of them already matched head nodes
+    assert costly.next(0, 4) == 6 and costly.next(3, 4) == 3
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -97,3 +113,24 @@ def test_bench_sweeps_extend_over_the_heads_methods():
     assert "eagle2" in SWEEP_AFFECTS["extend"] and "sps" not in SWEEP_AFFECTS["extend"]
     with pytest.raises(EagleSpecError, match="0 or more"):
         parse_sweep("extend=-1")
+
+
+def test_under_tree_auto_the_drafter_counts_its_guesses_by_what_they_bring():
+    """With a tree given by the caller the extension is fixed; under tree auto each drafter (and each fork) has a
+    GuessCount, fed by the rounds: on a looping text its guesses hold, so its alpha rises."""
+    model = make_model("llama")
+    head = random_head(model, "eagle3")
+    fixed = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2", adapt=False, extend=4,
+                              tree=TreeSettings(total_tokens=3, depth=1, top_k=2))
+    assert fixed.drafter.guess_count is None
+    auto = Engine.from_model(model, TinyTokenizer(), head=head, method="eagle2", adapt=False, extend=4, tree="auto")
+    drafter = auto.drafter.inner if hasattr(auto.drafter, "inner") else auto.drafter
+    assert isinstance(drafter.guess_count, GuessCount)
+    assert drafter.fork().guess_count is not drafter.guess_count
+    prompt = list(range(10, 30))
+    looped = prompt + vanilla_tokens(model, prompt, 48)
+    looped += vanilla_tokens(model, looped, 48)
+    before = drafter.guess_count.tried
+    result = auto.generate(looped, max_new_tokens=40)
+    assert result.tokens == vanilla_tokens(model, looped, 40)
+    assert drafter.guess_count.tried > before and drafter.guess_count.alpha > 0.5

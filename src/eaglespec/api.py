@@ -167,8 +167,9 @@ class Engine:
             from .drafters.autotree import STAGED_TREES, cpu_class
 
             settings = STAGED_TREES[cpu_class(self.target)]
-        # a draft model's chain under tree auto: each round's length chosen as it goes (drafters.chain_length)
-        dynamic = isinstance(tree, str) and method in DRAFT_MODEL_METHODS
+        # under tree auto, a draft model's chain (sps, staged) and a head's stage-2 guesses: how much each round
+        # drafts, chosen as it goes (drafters.chain_length)
+        dynamic = isinstance(tree, str) and (method in DRAFT_MODEL_METHODS or self.extend > 0)
         self.decoder = SpecDecoder(self.target, tokenizer,
                                    self._make_drafter(method, head, settings, head_name, dynamic))
         self.tree_choice = None
@@ -196,7 +197,8 @@ class Engine:
                                  compile=bool(getattr(self.target, "compiled", False)),
                                  use_kernels=bool(getattr(self.target, "bf16_gemm", False)),
                                  target_logits=self.target.logits_head if getattr(self.target, "pack", False) else None,
-                                 stage2=self._stage2() if self.extend else None, extend=self.extend)
+                                 stage2=self._stage2() if self.extend else None, extend=self.extend,
+                                 dynamic=dynamic)
         if method == "pld":
             from .drafters.lookup import PromptLookupDrafter
 

@@ -74,3 +74,51 @@ class ChainLength:
             return self.expected_tokens(length) / max(per_token * length + self.costs.time(length + 1), 1e-9)
 
         return max(range(1, self.longest + 1), key=lambda length: (speed(length), -length))
+
+
+class GuessCount:
+    """How many stage-2 guesses an EAGLE draft takes on as new nodes this round (`EagleDrafter`'s `extend` under
+    `--tree auto`). The guesses form a chain from the root (running through the head's nodes they match first);
+    as in `ChainLength`, a guess is accepted with a constant chance alpha given its predecessors were, estimated from
+    the recent rounds, so the guess at depth d is accepted with chance alpha^d. A guess costs no draft time, only its
+    verify row: b seconds, the slope of the round's time by its verify rows (`StepCosts`, fitted online). A round
+    that commits E tokens in T seconds is worth T / E seconds a token, so the d-th guess is worth its row while
+    alpha^d T / E > b: new nodes are added, depth by depth, while that holds (at most `most`). On text that repeats
+    itself (code restating its task) alpha is high and the rows cheap on AMX, so the whole chain; on prose guesses
+    rarely hold and none are added. The count never changes what the target accepts."""
+
+    def __init__(self, most: int, decay: float = 0.9, prior_alpha: float = 0.5, prior_weight: float = 2.0):
+        if most < 1:
+            raise ValueError(f"most must be at least 1, got {most}")
+        self.most, self.decay = most, decay
+        self.accepted = prior_alpha * prior_weight  # decayed sums over rounds: guesses accepted,
+        self.tried = prior_weight  # and guesses tried (up to and including the first rejected one)
+        self.tokens = 0.0  # decayed sums: tokens committed by the rounds, and rounds
+        self.rounds = 0.0
+        self.costs = StepCosts(memory=64)  # the rest of a round (verify pass, acceptance, loop) by its verify rows
+
+    @property
+    def alpha(self) -> float:
+        return min(max(self.accepted / self.tried, 0.01), 0.99)
+
+    def observe_round(self, guessed: int, accepted: int, rows: int, committed: int, seconds: float) -> None:
+        """A round whose guess chain had `guessed` tokens (matched head nodes included), `accepted` of them accepted,
+        verified `rows` rows and committed `committed` tokens (the bonus included); `seconds` from the end of its
+        drafting to the next draft call."""
+        if guessed > 0:
+            self.accepted = self.decay * self.accepted + accepted
+            self.tried = self.decay * self.tried + accepted + (accepted < guessed)
+        self.tokens = self.decay * self.tokens + committed
+        self.rounds = self.decay * self.rounds + 1
+        self.costs.observe(rows, seconds)
+
+    def next(self, matched: int, rows: int) -> int:
+        """New guess nodes for a round whose tree has `rows` verify rows and whose guess chain runs through `matched`
+        of the head's nodes first: all (`most`) until a round has been timed."""
+        if not self.costs.known or self.rounds <= 0:
+            return self.most
+        per_token = self.costs.time(rows) * self.rounds / max(self.tokens, 1e-9)  # T / E
+        count = 0
+        while count < self.most and self.alpha ** (matched + count + 1) * per_token > self.costs.b:
+            count += 1
+        return count

@@ -15,6 +15,7 @@ its task).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from functools import partial
 
@@ -25,6 +26,7 @@ from ..heads.base import DraftHead
 from ..spec.tree import EAGLE1_CHOICES, DraftTree, validate_choices
 from ..targets.traffic import tensor_bytes
 from .base import Drafter, DraftWork, TreeSettings
+from .chain_length import GuessCount
 from .lookup import Stage2
 
 # the score step of each appended stage-2 guess (a nominal log-probability: the guesses have no draft distribution,
@@ -41,17 +43,19 @@ class EagleDrafter(Drafter):
     def __init__(self, head: DraftHead, embed_tokens, lm_head, mode: str = "dynamic",
                  settings: TreeSettings | None = None, step: Callable | None = None,
                  topk: Callable[[Tensor, int], tuple[Tensor, Tensor]] | None = None,
-                 stage2: Stage2 | None = None, extend: int = 0):
+                 stage2: Stage2 | None = None, extend: int = 0, dynamic: bool = False):
         """`head` as it runs (a backend may have swapped its products: eaglespec.backends.cpu.apply); `step` its
         decoder-layer step, (hidden, token_embeds, positions, cache, mask) -> [T, d] (default `head.step`; a
         compiled one); `topk` the k best children of each row, (scores [N, V], k) -> (values, indices) with equal
-        scores in any order (default torch.topk); `extend`: up to this many `stage2` guesses appended under the
-        tree's likeliest path (module docstring)."""
+        scores in any order (default torch.topk); `extend`: up to this many `stage2` guesses merged into each tree
+        as new nodes (module docstring), as many as are worth their verify rows with `dynamic`."""
         if mode not in ("dynamic", "static", "chain"):
             raise ValueError(f"unknown draft mode {mode}")
         if extend < 0 or (extend and stage2 is None):
             raise ValueError(f"extend must be >= 0 and needs a stage-2 drafter, got {extend}")
         self.stage2, self.extend = stage2, extend
+        # dynamic: each round's count of new guess nodes by drafters.chain_length (at most `extend`), else `extend`
+        self.guess_count = GuessCount(extend) if extend and dynamic else None
         self.head = head
         self.step = step or head.step
         self.topk = topk or partial(torch.topk, dim=-1)
@@ -75,6 +79,14 @@ class EagleDrafter(Drafter):
     def reset(self) -> None:
         self.cache = self.head.new_cache()
         self.consumed = 0  # committed positions the head has run over
+        # last round's (context length, guesses on the tree, verify rows, depth, end of drafting), for `guess_count`
+        self._last: tuple[int, list[int], int, int, float] | None = None
+
+    def fork(self) -> "EagleDrafter":
+        """`Drafter.fork`, with its own guess count."""
+        clone = super().fork()
+        clone.guess_count = GuessCount(self.extend) if self.guess_count is not None else None
+        return clone
 
     # ---- head calls ------------------------------------------------------------------------------------
     def _catch_up(self, tokens: Tensor, features: Tensor) -> Tensor:
@@ -116,29 +128,59 @@ class EagleDrafter(Drafter):
             tree = grow.dynamic(total_tokens=s.depth + 1, depth=s.depth, top_k=1)
         else:
             tree = grow.dynamic(total_tokens=s.total_tokens, depth=s.depth, top_k=s.top_k)
-        return merge_guesses(tree, tokens, self.stage2, self.extend) if self.extend else tree
+        return self._guess(tokens, tree) if self.extend else tree
+
+    def _guess(self, tokens: Tensor, tree: DraftTree) -> DraftTree:
+        """`tree` with the stage-2 guesses merged in: `extend` new nodes at most, as many as `guess_count` finds
+        worth their rows where it is set (`dynamic`); first, tell it how the last round's guesses went."""
+        now = time.perf_counter()
+        ids = tokens.tolist()
+        if self.guess_count is not None and self._last is not None:
+            start, guesses, rows, depth, ended = self._last
+            committed = ids[start:]  # accepted tokens, then the new root
+            if 1 <= len(committed) <= depth + 1:  # one round since (not plain rounds between)
+                accepted = 0
+                while accepted < len(committed) - 1 and committed[accepted] == guesses[accepted]:
+                    accepted += 1
+                self.guess_count.observe_round(len(guesses), accepted, rows, len(committed), now - ended)
+        guesses = self.stage2(tokens.cpu(), self.extend + tree.max_depth)
+        length = self.extend
+        if self.guess_count is not None:
+            length = self.guess_count.next(matched_guesses(tree, guesses)[1], len(tree))
+        tree = merge_guesses(tree, guesses, length)
+        self._last = (len(ids), guesses[: matched_guesses(tree, guesses)[1]], len(tree), tree.max_depth,
+                      time.perf_counter())
+        return tree
 
 
-def merge_guesses(tree: DraftTree, tokens: Tensor, stage2: Stage2, length: int) -> DraftTree:
-    """`tree` with the guesses of `stage2` for what follows the context `tokens` [L] (which ends with the root)
-    merged in as a chain from the root: down through the nodes whose tokens they match, then as up to `length` new
-    nodes, each scoring `GUESS_LOGP` below its parent."""
-    ids, parents, scores = list(tree.token_list()), tree.parents.tolist(), tree.scores  # (copies: appended to)
-    scores = [0.0] * len(ids) if scores is None else scores.tolist()
-    kids = tree.children()
-    node, added = 0, 0
-    for token in stage2(tokens.cpu(), length + tree.max_depth):
-        match = next((c for c in kids[node] if ids[c] == token), None) if node < len(kids) else None
-        if match is not None:
-            node = match
-            continue
-        if added == length:
-            break
+def matched_guesses(tree: DraftTree, guesses: list[int]) -> tuple[int, int]:
+    """How far the chain `guesses` runs through `tree` from the root along nodes whose tokens it matches: (the last
+    such node, how many guesses matched)."""
+    ids, kids = tree.token_list(), tree.children()
+    node = 0
+    for matched, token in enumerate(guesses):
+        nxt = next((c for c in kids[node] if ids[c] == token), None)
+        if nxt is None:
+            return node, matched
+        node = nxt
+    return node, len(guesses)
+
+
+def merge_guesses(tree: DraftTree, guesses: list[int], length: int) -> DraftTree:
+    """`tree` with the chain `guesses` (for what follows the root) merged in: down through the nodes whose tokens
+    it matches, then as up to `length` new nodes, each scoring `GUESS_LOGP` below its parent."""
+    node, matched = matched_guesses(tree, guesses)
+    new = guesses[matched : matched + length]
+    if not new:
+        return tree
+    ids, parents = list(tree.token_list()), tree.parents.tolist()  # (copies: appended to)
+    scores = [0.0] * len(ids) if tree.scores is None else tree.scores.tolist()
+    for token in new:
         ids.append(int(token))
         parents.append(node)
         scores.append(scores[node] + GUESS_LOGP)
-        node, added = len(ids) - 1, added + 1
-    return DraftTree.from_lists(ids, parents, scores) if added else tree
+        node = len(ids) - 1
+    return DraftTree.from_lists(ids, parents, scores)
 
 
 class TreeGrowth:

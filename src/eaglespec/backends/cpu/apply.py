@@ -274,14 +274,15 @@ def plan_target(dtype: torch.dtype, device: torch.device, head_dim: int, quantiz
 def eagle_drafter(head: DraftHead, embed_tokens: nn.Module, lm_head: nn.Module, mode: str = "dynamic",
                   settings: TreeSettings | None = None, compile: bool = False, use_kernels: bool = False,
                   target_logits: Linear | None = None, stage2: Stage2 | None = None,
-                  extend: int = 0) -> EagleDrafter:
+                  extend: int = 0, dynamic: bool = False) -> EagleDrafter:
     """An `EagleDrafter` whose head runs on this backend: its linear layers packed for oneDNN on a CPU (a copy; the
     caller's head is left as it is), or with `use_kernels` (the target runs on them) through eaglespec's bfloat16
     kernel where it applies, and there the draft vocabulary's LM-head rows through an int8 copy unless
     EAGLESPEC_DRAFT_INT8=0 (kernels.Int8Linear: 8192 rows of SmolLM2's LM head 0.25 -> 0.17 ms a call; the drafts
     may differ a little, the accepted output cannot). `compile`: the head's decoder-layer steps through
     torch.compile (compiles here). `target_logits`: the target's packed LM head, which an EAGLE-1 head drafting over
-    the full vocabulary shares instead of packing a second copy. `stage2`, `extend`: as for `EagleDrafter`."""
+    the full vocabulary shares instead of packing a second copy. `stage2`, `extend`, `dynamic`: as for
+    `EagleDrafter`."""
     weight = next(head.parameters())
     kernel = (use_kernels or compile) and kernels.available(weight.dtype, weight.device)
     int8 = kernel and kernels.draft_int8()
@@ -302,7 +303,7 @@ def eagle_drafter(head: DraftHead, embed_tokens: nn.Module, lm_head: nn.Module, 
     # up to the order of equal scores), else torch's
     topk = kernels.topk_rows if kernel else None
     drafter = EagleDrafter(run, embed_tokens, lm_head, mode, settings, step=step, topk=topk, stage2=stage2,
-                           extend=extend)
+                           extend=extend, dynamic=dynamic)
     if target_logits is not None and not kernel and hasattr(run, "share_packed_lm_head"):
         run.share_packed_lm_head(lm_head.weight, target_logits)
     return drafter
