@@ -134,3 +134,19 @@ def test_under_tree_auto_the_drafter_counts_its_guesses_by_what_they_bring():
     result = auto.generate(looped, max_new_tokens=40)
     assert result.tokens == vanilla_tokens(model, looped, 40)
     assert drafter.guess_count.tried > before and drafter.guess_count.alpha > 0.5
+
+
+def test_a_round_whose_head_path_outran_its_guesses_is_counted():
+    """The head's own path can be accepted past the end of the guess chain: the guesses count as accepted up to
+    their length (a regression: this once indexed past the guesses)."""
+    model = make_model("llama")
+    engine = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle3"), method="eagle2",
+                               adapt=False, extend=4, tree="auto")
+    drafter = engine.drafter.inner if hasattr(engine.drafter, "inner") else engine.drafter
+    drafter.stage2 = lambda context, length: []
+    drafter._last = (3, [7], 5, 3, 0.0)  # last round: context of 3, guess chain [7], 5 rows, depth 3
+    seen = []
+    drafter.guess_count.observe_round = lambda *args: seen.append(args[:4])
+    tree = DraftTree.root_only(9)
+    assert drafter._guess(torch.tensor([1, 2, 3, 7, 8, 9]), tree) is tree  # committed 7, 8, then the root 9
+    assert seen == [(1, 1, 5, 3)]

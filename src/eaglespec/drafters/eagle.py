@@ -140,7 +140,7 @@ class EagleDrafter(Drafter):
             committed = ids[start:]  # accepted tokens, then the new root
             if 1 <= len(committed) <= depth + 1:  # one round since (not plain rounds between)
                 accepted = 0
-                while accepted < len(committed) - 1 and committed[accepted] == guesses[accepted]:
+                while accepted < min(len(committed) - 1, len(guesses)) and committed[accepted] == guesses[accepted]:
                     accepted += 1
                 self.guess_count.observe_round(len(guesses), accepted, rows, len(committed), now - ended)
         guesses = self.stage2(tokens.cpu(), self.extend + tree.max_depth)
