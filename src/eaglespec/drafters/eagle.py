@@ -134,10 +134,9 @@ class EagleDrafter(Drafter):
         """`tree` with the stage-2 guesses merged in: `extend` new nodes at most, as many as `guess_count` finds
         worth their rows where it is set (`dynamic`); first, tell it how the last round's guesses went."""
         now = time.perf_counter()
-        ids = tokens.tolist()
         if self.guess_count is not None and self._last is not None:
             start, guesses, rows, depth, ended = self._last
-            committed = ids[start:]  # accepted tokens, then the new root
+            committed = tokens[start:].tolist()  # accepted tokens, then the new root
             if 1 <= len(committed) <= depth + 1:  # one round since (not plain rounds between)
                 accepted = 0
                 while accepted < min(len(committed) - 1, len(guesses)) and committed[accepted] == guesses[accepted]:
@@ -148,7 +147,7 @@ class EagleDrafter(Drafter):
         if self.guess_count is not None:
             length = self.guess_count.next(matched_guesses(tree, guesses)[1], len(tree))
         tree = merge_guesses(tree, guesses, length)
-        self._last = (len(ids), guesses[: matched_guesses(tree, guesses)[1]], len(tree), tree.max_depth,
+        self._last = (tokens.numel(), guesses[: matched_guesses(tree, guesses)[1]], len(tree), tree.max_depth,
                       time.perf_counter())
         return tree
 
