@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from eaglespec.spec.load import LoadPolicy, Plan, StepCosts
+from eaglespec.spec.load import QUICK, LoadPolicy, Plan, StepCosts
 from eaglespec.spec.tree import DraftTree, chain
 
 
@@ -383,7 +383,7 @@ def test_a_catch_up_is_charged_once_not_to_every_drafting_round():
     assert policy.overhead == pytest.approx(0.004) and policy.catch_up == 0.0
     policy.observe_round(2, 2, 8, 0.020 + 2 * 0.004 + 0.030, catching_up=1)  # one caught up on 30 ms of positions
     assert policy.overhead == pytest.approx(0.004)
-    assert policy.catch_up == pytest.approx(0.25 * 0.030)
+    assert policy.catch_up == pytest.approx(QUICK * 0.030)
     policy.observe_draft(0.001)
     policy.observe_draft(0.050, catching_up=True)  # a catch-up draft is not the steady draft time
     assert policy.draft_seconds == pytest.approx(0.001)
