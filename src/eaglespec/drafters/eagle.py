@@ -143,12 +143,11 @@ class EagleDrafter(Drafter):
                     accepted += 1
                 self.guess_count.observe_round(len(guesses), accepted, rows, len(committed), now - ended)
         guesses = self.stage2(tokens.cpu(), self.extend + tree.max_depth)
-        length = self.extend
-        if self.guess_count is not None:
-            length = self.guess_count.next(matched_guesses(tree, guesses)[1], len(tree))
-        tree = merge_guesses(tree, guesses, length)
-        self._last = (tokens.numel(), guesses[: matched_guesses(tree, guesses)[1]], len(tree), tree.max_depth,
-                      time.perf_counter())
+        node, matched = matched_guesses(tree, guesses)
+        length = self.extend if self.guess_count is None else self.guess_count.next(matched, len(tree))
+        new = guesses[matched : matched + length]
+        tree = append_chain(tree, node, new)
+        self._last = (tokens.numel(), guesses[: matched + len(new)], len(tree), tree.max_depth, time.perf_counter())
         return tree
 
 
@@ -169,12 +168,17 @@ def merge_guesses(tree: DraftTree, guesses: list[int], length: int) -> DraftTree
     """`tree` with the chain `guesses` (for what follows the root) merged in: down through the nodes whose tokens
     it matches, then as up to `length` new nodes, each scoring `GUESS_LOGP` below its parent."""
     node, matched = matched_guesses(tree, guesses)
-    new = guesses[matched : matched + length]
-    if not new:
+    return append_chain(tree, node, guesses[matched : matched + length])
+
+
+def append_chain(tree: DraftTree, node: int, chain: list[int]) -> DraftTree:
+    """`tree` with `chain` hung under `node`, each token scoring `GUESS_LOGP` below its parent (`tree` itself when
+    `chain` is empty)."""
+    if not chain:
         return tree
     ids, parents = list(tree.token_list()), tree.parents.tolist()  # (copies: appended to)
     scores = [0.0] * len(ids) if tree.scores is None else tree.scores.tolist()
-    for token in new:
+    for token in chain:
         ids.append(int(token))
         parents.append(node)
         scores.append(scores[node] + GUESS_LOGP)
