@@ -39,13 +39,16 @@ average weighing each step 1/4 drafted 9-58% of steps at batch 1 where always dr
 
 A sequence that has not drafted for a while drafts once to refresh what it accepts (the text changes): after
 `probe_every` of its plain steps, and after twice as many each time a probe did not make drafting pay (up to 16x),
-as spec.adaptive backs off its probes; its first steps draft unless the costs measured so far already rule it out.
+as spec.adaptive backs off its probes. A new sequence is judged by the batch's acceptance: it drafts at once where
+that pays, and otherwise waits for its first probe like the others (probing every newcomer at once cost 4-6% of
+plain batched decoding's speed where requests came and went, simulated with the 1.5B's costs at 8 sequences).
 At most one sequence probes a round, so a busy batch does not pay for many catch-ups at once. Probes are an
 exploration budget, bounded in time: a probe's expected loss (its cost, catch-up included, less the time its
-expected tokens are worth at the step's rate) is spent only while all probes' losses stay within `probe_share` of
-the rounds' time. So where drafting pays nobody, probes cost the batch about that share of its speed against plain
-batched decoding, however many sequences come due and however much a probe's head must catch up on (the catch-up
-cost is an estimate, from earlier catch-ups).
+expected tokens are worth at the step's rate) is paid from a credit that grows by `probe_share` of each round's
+time and holds at most `probe_share` of `probe_horizon` seconds. So where drafting pays nobody, probes cost the
+batch about that share of its speed against plain batched decoding, however many sequences come due and however
+much a probe's head must catch up on (the catch-up cost is an estimate, from earlier catch-ups); and a long spell
+in which drafting paid (no probes) does not bank a burst of probes for when the load rises.
 """
 
 from __future__ import annotations
@@ -128,21 +131,25 @@ class LoadPolicy:
     keyed by any hashable id; `forget` one that leaves."""
 
     def __init__(self, tree_rows: int, probe_every: int = 16, smoothing: float = 1 / 32, prior_accepted: float = 1.0,
-                 plain_every: int = 64, probe_share: float = 0.02, prior_weight: int = 4):
+                 plain_every: int = 64, probe_share: float = 0.01, prior_weight: int = 4,
+                 probe_horizon: float = 5.0):
         """`tree_rows`: draft rows of a full tree (the drafter's total_tokens - 1); `probe_share`: the share of the
-        rounds' time that probes may lose; `smoothing`: the least weight of a new measurement in the running means;
-        `prior_weight`: how many steps the batch's acceptance counts for in a new sequence's."""
+        rounds' time that probes may lose; `probe_horizon`: the seconds of rounds whose share the probes' credit can
+        hold; `smoothing`: the least weight of a new measurement in the running means; `prior_weight`: how many
+        steps the batch's acceptance counts for in a new sequence's."""
         self.tree_rows = max(tree_rows, 1)
         self.probe_every, self.smoothing, self.plain_every = probe_every, smoothing, plain_every
         self.prior_weight = prior_weight
-        self.probe_share = probe_share
+        self.probe_share, self.probe_horizon = probe_share, probe_horizon
         self.elapsed = 0.0  # seconds of the rounds timed so far
         self.probe_loss = 0.0  # what the probes so far were expected to lose against plain steps
+        self.credit = 0.0  # what probes may still lose: probe_share of the rounds' time, capped (module docstring)
         self.costs = StepCosts()  # verify forwards: seconds by rows
         self.rounds = StepCosts()  # plain rounds: seconds by sequences
         self.draft_seconds = 0.0  # per drafting sequence, the draft call alone (moving average; 0 until measured)
         self.overhead: float | None = None  # per drafting sequence, all it adds to a round but its rows' forward cost
         self.catch_up = 0.0  # what a sequence drafting after plain steps adds beyond `overhead` (0 until measured)
+        self.catch_ups = 0  # catch-up rounds measured
         self.since_plain = 0  # rounds since the last one without drafts
         self.prior_accepted = prior_accepted  # what a new sequence is expected to accept (the batch's average)
         self.prior_depth_chances: list[float] = []  # the batch's depth_chances (Outlook), for new sequences
@@ -189,13 +196,15 @@ class LoadPolicy:
             pays = o.accepted * plan.seconds > plan.tokens * added  # g / (d + b r) > K / T
             period = o.probe_period or self.probe_every
             # at most one probe a round: a busy batch does not pay for many sequences' catch-up at once
-            probe = not pays and not probed and (o.since_draft >= period or o.drafted == 0)
+            probe = not pays and not probed and o.since_draft >= period
             # what the probe costs beyond its worth
             loss = max(added + self.catch_up - o.accepted * plan.seconds / plan.tokens, 0.0)
-            if probe and self.probe_loss + loss > self.probe_share * self.elapsed:
+            # (a probe dearer than the credit can hold waits for a full credit)
+            if probe and self.credit < min(loss, self.probe_share * self.probe_horizon):
                 probe = False  # the exploration budget is spent: wait
             elif probe:
                 self.probe_loss += loss
+                self.credit -= loss
             if pays:
                 o.probe_period = self.probe_every
             elif probe and o.drafted:  # the next probe of this sequence waits twice as long
@@ -251,6 +260,7 @@ class LoadPolicy:
         """A whole round (drafting, the verify forward of `rows` rows, acceptance) of `sequences` sequences, of which
         `drafting` drafted (`catching_up` of them after plain steps, see `catching_up`), took `seconds`."""
         self.elapsed += seconds
+        self.credit = min(self.credit + self.probe_share * seconds, self.probe_share * self.probe_horizon)
         if drafting == 0:
             self.rounds.observe(sequences, seconds)
             self.since_plain = 0
@@ -262,7 +272,9 @@ class LoadPolicy:
         if catching_up:  # a once-per-switch cost: the catch-up estimate, not the steady overhead
             steady = self.draft_seconds if self.overhead is None else self.overhead
             each = max((excess - drafting * steady) / catching_up, 0.0)
-            self.catch_up = self._blend(self.catch_up, each, weight=QUICK)
+            # (the first measurement is taken whole: a cost assumed 0 would let the first probes overspend)
+            self.catch_up = self._blend(self.catch_up, each, weight=QUICK if self.catch_ups else 1.0)
+            self.catch_ups += 1
             return
         each = max(excess / drafting, 0.0)
         self.overhead = each if self.overhead is None else self._blend(self.overhead, each)
