@@ -8,7 +8,7 @@ from conftest import TinyTokenizer, make_model
 
 from eaglespec.api import Engine
 from eaglespec.drafters import TreeSettings
-from eaglespec.drafters.chain_length import ChainLength
+from eaglespec.drafters.chain_length import ChainLength, accepted_of
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 
@@ -115,3 +115,13 @@ def test_a_plain_round_between_drafts_is_not_counted_as_a_drafted_round():
     drafter._round_length([1, 2, 3, 7, 8, 9], 1.0)  # both drafts accepted, 9 the bonus
     drafter._round_length([1, 2, 3, 7, 5, 6, 4, 2], 2.0)  # more tokens than one round commits: skipped
     assert seen == [(2, 2, 1.0)]
+
+
+def test_accepted_of_reads_a_rounds_outcome_from_the_committed_tokens():
+    """The committed tokens since a round are its accepted drafts, then the new root (the bonus token or a
+    correction): the drafts accepted are their common prefix with the proposal, the new root never counted."""
+    assert accepted_of([5, 6, 7], [5, 6, 7, 8]) == 3  # all accepted, then the bonus token
+    assert accepted_of([5, 6, 7], [5, 6, 9]) == 2  # the third corrected
+    assert accepted_of([5, 6, 7], [9]) == 0  # the first rejected: only the correction
+    assert accepted_of([5, 6, 7], [5]) == 0  # the root equal to the first draft is not an acceptance
+    assert accepted_of([], [4]) == 0

@@ -22,6 +22,16 @@ from __future__ import annotations
 from ..spec.load import StepCosts
 
 
+def accepted_of(proposal: list[int], committed: list[int]) -> int:
+    """How many tokens of a round's chain `proposal` (what it drafted after the root) the sequence accepted, read
+    from `committed`: the tokens it committed since that round (the accepted drafts, then the new root: the bonus
+    token or a correction)."""
+    accepted, limit = 0, min(len(committed) - 1, len(proposal))
+    while accepted < limit and committed[accepted] == proposal[accepted]:
+        accepted += 1
+    return accepted
+
+
 class ChainLength:
     """The chain length of each round. `observe_draft` after drafting, `observe_round` once the round's outcome is
     known (at the next draft call), `next()` before drafting."""

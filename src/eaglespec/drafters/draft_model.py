@@ -29,7 +29,7 @@ from torch import Tensor
 from ..spec.tree import DraftTree, chain
 from ..targets.hf import TargetModel
 from .base import Drafter, DraftWork, TreeSettings
-from .chain_length import ChainLength
+from .chain_length import ChainLength, accepted_of
 
 _EMPTY = torch.zeros(0, dtype=torch.long)
 
@@ -83,12 +83,9 @@ class DraftModelDrafter(Drafter):
             return self.length
         if self._last is not None:
             start, proposal, ended = self._last
-            committed = ids[start:-1]  # accepted drafts (the last token is the new root: the bonus or a correction)
-            if len(ids) > start and len(committed) <= len(proposal):  # one round since (not a plain round between)
-                accepted = 0
-                while accepted < len(committed) and committed[accepted] == proposal[accepted]:
-                    accepted += 1
-                self.chain_length.observe_round(len(proposal), accepted, now - ended)
+            committed = ids[start:]
+            if 1 <= len(committed) <= len(proposal) + 1:  # one round since (not a plain round between)
+                self.chain_length.observe_round(len(proposal), accepted_of(proposal, committed), now - ended)
         return self.chain_length.next()
 
     def _drafted(self, ids: list[int], proposal: list[int], started: float) -> None:

@@ -26,7 +26,7 @@ from ..heads.base import DraftHead
 from ..spec.tree import EAGLE1_CHOICES, DraftTree, validate_choices
 from ..targets.traffic import tensor_bytes
 from .base import Drafter, DraftWork, TreeSettings
-from .chain_length import GuessCount
+from .chain_length import GuessCount, accepted_of
 from .lookup import Stage2
 
 # the score step of each appended stage-2 guess (a nominal log-probability: the guesses have no draft distribution,
@@ -138,9 +138,7 @@ class EagleDrafter(Drafter):
             start, guesses, rows, depth, ended = self._last
             committed = tokens[start:].tolist()  # accepted tokens, then the new root
             if 1 <= len(committed) <= depth + 1:  # one round since (not plain rounds between)
-                accepted = 0
-                while accepted < min(len(committed) - 1, len(guesses)) and committed[accepted] == guesses[accepted]:
-                    accepted += 1
+                accepted = accepted_of(guesses, committed)
                 self.guess_count.observe_round(len(guesses), accepted, rows, len(committed), now - ended)
         guesses = self.stage2(tokens.cpu(), self.extend + tree.max_depth)
         node, matched = matched_guesses(tree, guesses)
