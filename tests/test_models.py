@@ -1,6 +1,9 @@
 """The model registry: names, local folders, GGUF files, and the errors for what is missing."""
 
+import json
+
 import pytest
+import torch
 from tiny_hub import write_tiny_model
 
 from eaglespec import models, platform
@@ -16,7 +19,6 @@ def test_missing_package_gives_the_pip_command(monkeypatch):
 
 
 def test_devices_are_checked_before_loading():
-    import torch
 
     assert platform.parse_device("cpu") == torch.device("cpu")
     assert platform.parse_device("auto") == torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -62,7 +64,6 @@ def test_unknown_dtype():
 
 
 def test_dtype_auto_follows_the_hardware(monkeypatch):
-    import torch
 
     from eaglespec.platform import cpu_has_native_bf16, parse_dtype
     from eaglespec.train.trainer import auto_mixed_precision
@@ -89,3 +90,20 @@ def test_shipped_heads_follow_the_registry_preference():
     assert models.shipped_head_dir("smollm2-135m", "eagle3").name == "smollm2-135m-eagle3"
     assert models.shipped_head_dir("smollm2-135m", "medusa") is None
     assert models.shipped_head_dir("no-such-model") is None
+
+
+def test_the_1_5b_ships_an_eagle3_head_for_its_own_shapes():
+    """The 1.5B's head ships in the package (no model download needed to check it): EAGLE-3, a 8192-token draft
+    vocabulary and an MLP of 2048 recorded in its config, for the target's width and vocabulary, in tens of MB."""
+    from eaglespec.heads.checkpoint import load_head
+
+    folder = models.shipped_head_dir("qwen2.5-coder-1.5b")
+    assert folder is not None and folder == models.shipped_head_dir("qwen2.5-coder-1.5b", "eagle3")
+    assert models.shipped_head_dir("qwen2.5-coder-0.5b") is None  # (the 0.5B drafts; it has no head)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["eaglespec"]["target"]["name"] == "qwen2.5-coder-1.5b" and config["eaglespec"]["kind"] == "eagle3"
+    assert (config["hidden_size"], config["vocab_size"]) == (1536, 151936)
+    assert (config["draft_vocab_size"], config["intermediate_size"]) == (8192, 2048)
+    assert 10 * 2**20 < (folder / "model.safetensors").stat().st_size < 80 * 2**20
+    head = load_head(folder, dtype=torch.bfloat16)
+    assert sum(p.numel() for p in head.parameters()) < 40_000_000

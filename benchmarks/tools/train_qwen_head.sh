@@ -73,7 +73,8 @@ eaglespec train head --kind eagle3 --model qwen2.5-coder-1.5b --data runs/qwen/h
   --eval-steps 5 --batch-size 4 --lr 8e-4 --warmup-steps 50 --epochs 100 --eval-every 300 --save-every 100 \
   --save-dtype bfloat16 --threads 2 --draft-vocab-size 8192 --ttt-steps 3 --intermediate-size 2048 --time-budget 75
 
-# The fifth head (2026-11-28, the same Zen 4 VM; kept in data/qwen2.5-coder-1.5b/eagle3-head, not shipped): the fourth
+# The fifth head (2026-11-28, the same Zen 4 VM; shipped since 2026-11-29 as src/eaglespec/shipped_heads/
+# qwen2.5-coder-1.5b-eagle3, kept until then in data/qwen2.5-coder-1.5b/eagle3-head): the fourth
 # head trained on over the first 2,096 committed answers (the fourth head's store reused, 784 new answers' features
 # computed, about 45 minutes beside other work), answers 2,097-2,136 held out with --eval-data, a fresh optimizer and a
 # 50-minute budget (1,045 steps). Held-out acc@1 0.379 / 0.433 / 0.442 at steps 400 / 800 / 1,045. Its bench:

@@ -85,6 +85,7 @@ REGISTRY: dict[str, ModelSpec] = {
                 sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
                 extra=QWEN_CODER_EXTRA,
             ),
+            heads={"eagle3": "qwen2.5-coder-1.5b-eagle3"},
             cache_dtype=torch.bfloat16,
         ),
         ModelSpec(
