@@ -93,14 +93,15 @@ def drain(batch: BatchDecoder, steps=None, streamed=None) -> tuple[dict, dict]:
     return streamed, finished
 
 
-def make_engine(method: str, arch: str, dtype: torch.dtype, backend: str = "auto", head_kind: str = "eagle1"):
+def make_engine(method: str, arch: str, dtype: torch.dtype, backend: str = "auto", head_kind: str = "eagle1",
+                extend: int = 0):
     model = make_cpu_model(arch).to(dtype)
     extra = {}
     if method in ("eagle2", "eagle1", "chain"):
         extra["head"] = random_head(model, head_kind).to(dtype)
     if method in ("sps", "staged"):
         extra["draft_hf_model"] = make_cpu_model(arch, seed=1, layers=2).to(dtype)
-    return Engine.from_model(model, TinyTokenizer(), method=method, tree=TREE, backend=backend, **extra)
+    return Engine.from_model(model, TinyTokenizer(), method=method, tree=TREE, backend=backend, extend=extend, **extra)
 
 
 def batch_one(engine: Engine, prompts=PROMPTS, news=NEW_TOKENS) -> dict[int, list[int]]:
@@ -158,6 +159,16 @@ def test_batched_greedy_equals_batch_one_slot_by_slot(method, arch, monkeypatch)
     assert not TargetPool(engine.target, 2).together
     spies = check_batched_equals_batch_one(engine, monkeypatch)
     assert all(spy.together == 0 for spy in spies.values())
+
+
+@pytest.mark.parametrize("dtype,backend", [pytest.param(torch.bfloat16, "auto", marks=needs_kernels),
+                                           (torch.float32, "hf")])
+def test_batched_greedy_equals_batch_one_with_stage2_guesses(dtype, backend, monkeypatch):
+    """A head's trees with the context's n-gram guesses merged in (`extend`), each slot with its own drafter: the
+    same tokens as batch-1 decoding."""
+    engine = make_engine("eagle2", "qwen2", dtype, backend=backend, head_kind="eagle3", extend=6)
+    assert engine.drafter.extend == 6
+    check_batched_equals_batch_one(engine, monkeypatch)
 
 
 class ScriptedOracle(Drafter):

@@ -106,6 +106,30 @@ def test_bad_extend_is_refused_with_what_to_do():
     check_options(argparse.Namespace(**{**base, "method": "eagle2", "ngram": "x.safetensors"}))  # with --extend
 
 
+def test_the_models_default_applies_to_heads_only(monkeypatch):
+    """`extend=None` (the API's and the CLI's default) takes the registry model's default for a head's drafts, and
+    none for methods without a head; an explicit count wins."""
+    import eaglespec.api as api
+    from eaglespec.models import default_extend
+
+    assert default_extend("qwen2.5-coder-1.5b") == 8
+    assert default_extend("smollm2-135m") == default_extend("qwen2.5-coder-0.5b") == default_extend("/a/folder") == 0
+    model = make_model("llama")
+    monkeypatch.setattr(api, "load_target", lambda *a, **k: (model, TinyTokenizer()))
+    monkeypatch.setattr(api, "load_head", lambda *a, **k: random_head(model, "eagle3"))
+    monkeypatch.setattr(api, "default_extend", lambda name: 5 if name == "coder" else 0)
+    assert Engine(model="coder", head="h", method="eagle2", tree=None).extend == 5
+    assert Engine(model="coder", head="h", method="eagle2", tree=None, extend=0).extend == 0
+    assert Engine(model="other", head="h", method="eagle2", tree=None).extend == 0
+    assert Engine(model="coder", method="pld", tree=None).extend == 0
+    base = dict(temperature=0.0, top_p=1.0, top_k=0, seed=None, max_new_tokens=8, device=None, draft_vocab=None,
+                tree="auto", head="auto", prompt="hi", draft_model=None, extend=None)
+    # --ngram goes with the 1.5B's eagle2 (its default guesses) and not with SmolLM2's (none by default)
+    check_options(argparse.Namespace(**{**base, "model": "qwen2.5-coder-1.5b", "method": "eagle2", "ngram": "x"}))
+    with pytest.raises(EagleSpecError, match="--ngram is the second stage"):
+        check_options(argparse.Namespace(**{**base, "model": "smollm2-135m", "method": "eagle2", "ngram": "x"}))
+
+
 def test_bench_sweeps_extend_over_the_heads_methods():
     from eaglespec.bench.methods import SWEEP_AFFECTS, parse_sweep
 

@@ -22,7 +22,7 @@ from .drafters import DRAFT_MODEL_METHODS, HEAD_METHODS, METHODS, Drafter, TreeS
 from .drafters.lookup import Stage2
 from .errors import EagleSpecError
 from .heads import DraftHead, check_head_fits, load_head
-from .models import DEFAULT_MODEL, load_target, shipped_head_dir
+from .models import DEFAULT_MODEL, default_extend, load_target, shipped_head_dir
 from .platform import parse_device, parse_dtype
 from .spec.adaptive import ADAPTIVE_CHAINS, DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy, chain_policy
 from .spec.batch import PREFILL_CHUNK, BatchDecoder
@@ -78,7 +78,7 @@ class Engine:
         exact: bool | None = None,
         compile: bool = False,
         ngram: str | Path | None = None,
-        extend: int = 0,
+        extend: int | None = None,
     ):
         """`tree`: "auto" (EAGLE-2 / chain: this machine's cached calibration, else a default for its CPU class,
         refined while generating by the adaptive policy), "calibrate" (measure now, cache when undisturbed), explicit
@@ -97,7 +97,7 @@ class Engine:
         where the context's own n-grams do not (and, with `extend`, an EAGLE draft's continuation).
         `extend` (EAGLE heads): up to this many stage-2 guesses (the context's n-grams, then `ngram`'s) added to each
         draft tree, as a chain from the root through the head's nodes they match, for the target to verify
-        (eaglespec.drafters.eagle; 0: none)."""
+        (eaglespec.drafters.eagle; 0: none; None: the registry model's default, 8 for qwen2.5-coder-1.5b, else 0)."""
         if method not in METHODS:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
         if method in DRAFT_MODEL_METHODS and not draft_model:
@@ -108,7 +108,9 @@ class Engine:
         dtype = parse_dtype(dtype, device, bf16_kernels=cpu_kernels.available(torch.bfloat16, device))
         hf_model, tokenizer = load_target(model, dtype=dtype, device=device, one_copy=True)
         self.notice = ""
-        self.ngram, self.extend = ngram, check_extend(extend, method)
+        self.ngram = ngram
+        if extend is not None:
+            check_extend(extend, method)
         head_module = None
         self.draft_hf_model = (load_target(draft_model, dtype=dtype, device=device, one_copy=True)[0]
                                if method in DRAFT_MODEL_METHODS else None)
@@ -123,6 +125,9 @@ class Engine:
             else:
                 head_module = load_head(head_dir, dtype=parse_dtype(dtype, device), device=device,
                                         draft_vocab=draft_vocab)
+        if method not in HEAD_METHODS:  # (no head after all: plain decoding)
+            extend = 0
+        self.extend = default_extend(model) if extend is None else extend
         self._setup(hf_model, tokenizer, head_module, method, tree, head_name=str(head), backend=backend,
                     adapt=adapt, quantize=quantize, exact=exact, compile=compile)
 

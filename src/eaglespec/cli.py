@@ -96,9 +96,9 @@ def model_options(p: argparse.ArgumentParser) -> None:
                         "losslessly)")
     e.add_argument("--ngram", default=None, metavar="FILE",
                    help="--method staged or --extend: a corpus n-gram model (eaglespec train ngram) for stage 2")
-    e.add_argument("--extend", type=int, default=0, metavar="N",
+    e.add_argument("--extend", type=int, default=None, metavar="N",
                    help="EAGLE heads: add up to N stage-2 guesses (context n-grams, then --ngram) to each draft "
-                        "tree")
+                        "tree (default: the model's: 8 for qwen2.5-coder-1.5b, 0 for others)")
     e.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="EAGLE-1 head: draft over its N most frequent tokens (0: all; default: the head's)")
     for option in ("--total-tokens", "--depth", "--tree-top-k"):
@@ -173,6 +173,7 @@ def check_engine_options(args: argparse.Namespace) -> None:
 def check_combinations(args: argparse.Namespace) -> None:
     """Options that cannot work together with --method: one line saying what to drop, before any model loads."""
     from .drafters import DRAFT_MODEL_METHODS, HEAD_METHODS
+    from .models import default_extend
 
     check_engine_options(args)
     method = args.method
@@ -181,8 +182,10 @@ def check_combinations(args: argparse.Namespace) -> None:
     if method in DRAFT_MODEL_METHODS and not args.draft_model:
         raise EagleSpecError(f"--method {method} needs --draft-model MODEL, a smaller model sharing the target's "
                              "tokenizer")
-    extend = getattr(args, "extend", 0) or 0
-    if extend < 0:
+    extend = getattr(args, "extend", None)
+    if extend is None:  # the model's default, for a head's drafts
+        extend = default_extend(args.model) if method in HEAD_METHODS else 0
+    elif extend < 0:
         raise EagleSpecError(f"--extend must be 0 (none) or a positive count of guesses, got {extend}")
     if extend and method not in HEAD_METHODS:
         raise EagleSpecError(f"--extend continues an EAGLE head's draft; --method {method} has no head: drop --extend")

@@ -173,6 +173,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     tree = tree_from_args(args)
     head, head3 = _head_dirs(args)
+    extend = getattr(args, "extend", None)
+    if extend is None:  # the model's default for its heads' drafts
+        from ..models import default_extend
+
+        extend = default_extend(args.model)
+    elif extend < 0:
+        raise EagleSpecError(f"--extend must be 0 (none) or a positive count of guesses, got {extend}")
 
     device = parse_device(args.device)
     dtype = parse_dtype(args.dtype, device, bf16_kernels=cpu_kernels.available(torch.bfloat16, device))
@@ -184,7 +191,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         backend=getattr(args, "backend", "auto"), draft_vocab=args.draft_vocab,
                         quantize=None if args.quantize == "none" else args.quantize, exact=args.exact,
                         compile=args.compile, adapt=args.adapt, ngram=getattr(args, "ngram", None),
-                        extend=getattr(args, "extend", 0),
+                        extend=extend,
                         draft_model_name=args.draft_model, progress=not args.no_progress,
                         peer=PeerOptions(python=parse_peer_python(args.peer_python),
                                          draft_tokens=args.peer_draft_tokens, openvino_weights=args.openvino_weights,
@@ -218,7 +225,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   "tree": tree if isinstance(tree, str) else {"total_tokens": tree.total_tokens,
                                                               "depth": tree.depth, "top_k": tree.top_k},
                   "draft_vocab": args.draft_vocab, "ngram": getattr(args, "ngram", None),
-                  "extend": getattr(args, "extend", 0),
+                  "extend": extend,
                   "sweep": args.sweep, "head": str(head) if head else None, "head3": str(head3) if head3 else None,
                   "draft_model": args.draft_model, "categories": args.categories, "limit": args.limit,
                   "per_category": args.per_category, "turns": args.turns,
