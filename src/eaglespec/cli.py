@@ -97,8 +97,8 @@ def model_options(p: argparse.ArgumentParser) -> None:
     e.add_argument("--ngram", default=None, metavar="FILE",
                    help="--method staged or --extend: a corpus n-gram model (eaglespec train ngram) for stage 2")
     e.add_argument("--extend", type=int, default=None, metavar="N",
-                   help="EAGLE heads: add up to N stage-2 guesses (context n-grams, then --ngram) to each draft "
-                        "tree (default: the model's: 8 for qwen2.5-coder-1.5b, 0 for others)")
+                   help="EAGLE heads: up to N stage-2 guesses (n-grams) added to each draft tree "
+                        "(default: the model's)")
     e.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="EAGLE-1 head: draft over its N most frequent tokens (0: all; default: the head's)")
     for option in ("--total-tokens", "--depth", "--tree-top-k"):
@@ -170,10 +170,21 @@ def check_engine_options(args: argparse.Namespace) -> None:
         check_mode(quantize, parse_device(args.device))  # a GPU: says to use --dtype bfloat16 or --device cpu
 
 
+def extend_from_args(args: argparse.Namespace, head_drafts: bool = True) -> int:
+    """`--extend` as given, else the model's default where a head drafts (`head_drafts`) and 0 elsewhere."""
+    from .models import default_extend
+
+    extend = getattr(args, "extend", None)
+    if extend is None:
+        return default_extend(args.model) if head_drafts else 0
+    if extend < 0:
+        raise EagleSpecError(f"--extend must be 0 (none) or a positive count of guesses, got {extend}")
+    return extend
+
+
 def check_combinations(args: argparse.Namespace) -> None:
     """Options that cannot work together with --method: one line saying what to drop, before any model loads."""
     from .drafters import DRAFT_MODEL_METHODS, HEAD_METHODS
-    from .models import default_extend
 
     check_engine_options(args)
     method = args.method
@@ -182,11 +193,7 @@ def check_combinations(args: argparse.Namespace) -> None:
     if method in DRAFT_MODEL_METHODS and not args.draft_model:
         raise EagleSpecError(f"--method {method} needs --draft-model MODEL, a smaller model sharing the target's "
                              "tokenizer")
-    extend = getattr(args, "extend", None)
-    if extend is None:  # the model's default, for a head's drafts
-        extend = default_extend(args.model) if method in HEAD_METHODS else 0
-    elif extend < 0:
-        raise EagleSpecError(f"--extend must be 0 (none) or a positive count of guesses, got {extend}")
+    extend = extend_from_args(args, method in HEAD_METHODS)
     if extend and method not in HEAD_METHODS:
         raise EagleSpecError(f"--extend continues an EAGLE head's draft; --method {method} has no head: drop --extend")
     if getattr(args, "ngram", None) and method != "staged" and not extend:

@@ -141,7 +141,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from ..backends.cpu import kernels as cpu_kernels
-    from ..cli import tree_from_args
+    from ..cli import extend_from_args, tree_from_args
     from ..models import load_target
     from ..platform import parse_device, parse_dtype
     from ..spec.decode import eos_ids_of
@@ -173,13 +173,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     tree = tree_from_args(args)
     head, head3 = _head_dirs(args)
-    extend = getattr(args, "extend", None)
-    if extend is None:  # the model's default for its heads' drafts
-        from ..models import default_extend
-
-        extend = default_extend(args.model)
-    elif extend < 0:
-        raise EagleSpecError(f"--extend must be 0 (none) or a positive count of guesses, got {extend}")
+    extend = extend_from_args(args)  # (the model's default for the heads' methods; bench.methods gives others none)
 
     device = parse_device(args.device)
     dtype = parse_dtype(args.dtype, device, bf16_kernels=cpu_kernels.available(torch.bfloat16, device))
