@@ -40,8 +40,9 @@ average weighing each step 1/4 drafted 9-58% of steps at batch 1 where always dr
 A sequence that has not drafted for a while drafts once to refresh what it accepts (the text changes): after
 `probe_every` of its plain steps, and after twice as many each time a probe did not make drafting pay (up to 16x),
 as spec.adaptive backs off its probes. A new sequence is judged by the batch's acceptance: it drafts at once where
-that pays, and otherwise waits for its first probe like the others (probing every newcomer at once cost 4-6% of
-plain batched decoding's speed where requests came and went, simulated with the 1.5B's costs at 8 sequences).
+that pays, and otherwise waits for its first probe like the others (with every newcomer probed at once and the
+budget below uncapped, the batch ran 6% below plain batched decoding where requests came and went, simulated with
+the 1.5B's costs at 8 sequences; see `simulate` in tests/test_load_policy.py).
 At most one sequence probes a round, so a busy batch does not pay for many catch-ups at once. Probes are an
 exploration budget, bounded in time: a probe's expected loss (its cost, catch-up included, less the time its
 expected tokens are worth at the step's rate) is paid from a credit that grows by `probe_share` of each round's
