@@ -5,12 +5,14 @@
 For each server configuration (default: `plain` = `--method vanilla`, `spec` = the model's default method with its
 shipped head; each `--max-batch` as given) this starts `eaglespec serve` (all of them, before any timing) and sends
 each one warm-up request (not timed). Then, `--rounds` times, for each concurrency c, each configuration in turn runs
-c closed-loop streaming clients over the same prompts (MT-bench first turns, greedy, chat template); the turns
+c closed-loop streaming clients over the same prompts (MT-bench first turns, greedy, chat template; a level sends
+max(--requests, c x --requests-per-stream) requests, repeating the prompts in order, so that with more than one
+request per stream the batch's ramp-up and drain weigh less against its steady state); the turns
 alternate their order (plain, spec; spec, plain; ...), so that a drift of the machine's speed during the run weighs
 on each configuration alike. It reports aggregate tokens/s (all tokens / wall time, over the rounds; each round's
 too), p50 / p95 request latency and time to first token, and tau (from the servers' counters). Every answer is
-compared with the answer of one request at a time on the plain server (concurrency 1, first round), which is plain
-decoding: they must be equal token for token.
+compared with the answer to the same prompt of one request at a time on the plain server (concurrency 1, first
+round), which is plain decoding: they must be equal token for token.
 The checks printed at the end are the ones batched serving promises: at 8 concurrent streams at least 4x the
 single-stream plain throughput; speculation never below plain batched decoding at any concurrency (within
 --tolerance); every greedy answer equal to its single-request answer. --json writes everything.
@@ -33,6 +35,12 @@ from load_test import MAX_TOKENS, Outcome, launch, one_client, percentile, scrap
 
 from eaglespec.bench.datasets import load_questions, select
 from eaglespec.bench.machine import describe_machine
+
+
+def request_plan(prompts: list[str], clients: int, per_stream: int) -> list[str]:
+    """The prompts one level sends: at least `per_stream` per client and every prompt once, repeated in order."""
+    n = max(len(prompts), clients * per_stream)
+    return [prompts[i % len(prompts)] for i in range(n)]
 
 
 async def closed_loop(url: str, api_key: str, model: str, prompts: list[str], clients: int,
@@ -64,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a server configuration: name=extra serve arguments (repeatable; default: "
                         "plain='--method vanilla' and spec='')")
     p.add_argument("--max-batch", type=int, default=16, help="--max-batch of every server (default: 16)")
-    p.add_argument("--requests", type=int, default=16, help="requests per concurrency level (default: 16)")
+    p.add_argument("--requests", type=int, default=16, help="prompts, each sent once a level at least (default: 16)")
+    p.add_argument("--requests-per-stream", type=int, default=1,
+                   help="each level sends at least this many requests per stream (default: 1)")
     p.add_argument("--rounds", type=int, default=1,
                    help="times each configuration runs each level, taking turns with the others (default: 1)")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -74,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    if not levels or min(levels) < 1 or not 1 <= args.max_tokens <= MAX_TOKENS or args.rounds < 1:
-        raise SystemExit(f"--concurrency needs positive counts, --rounds at least 1 and --max-tokens 1..{MAX_TOKENS}")
+    if not levels or min(levels) < 1 or not 1 <= args.max_tokens <= MAX_TOKENS or args.rounds < 1 \
+            or args.requests < 1 or args.requests_per_stream < 1:
+        raise SystemExit("--concurrency needs positive counts; --rounds, --requests and --requests-per-stream at "
+                         f"least 1; --max-tokens 1..{MAX_TOKENS}")
     configs = dict(c.split("=", 1) for c in (args.config or ["plain=--method vanilla", "spec="]))
     questions = select(load_questions("mt-bench"), limit=args.requests)
     prompts = [q.turns[0] for q in questions]
@@ -103,18 +115,18 @@ def main(argv: list[str] | None = None) -> int:
                 for name in (names if (r + i) % 2 == 0 else names[::-1]):
                     url = servers[name][1]
                     before = scrape(sync, url)
-                    outcomes, wall = asyncio.run(closed_loop(url, api_key, served[name], prompts, clients,
+                    plan = request_plan(prompts, clients, args.requests_per_stream)
+                    outcomes, wall = asyncio.run(closed_loop(url, api_key, served[name], plan, clients,
                                                              args.max_tokens))
                     after = scrape(sync, url)
                     failed = [o for o in outcomes if o.error or not o.done]
                     if failed:
                         raise SystemExit(f"{name} at {clients} clients: {failed[0].error or 'incomplete stream'}")
-                    texts = {o.prompt: o.text for o in outcomes}
                     if reference is None:  # the first configuration's first level: one request at a time
-                        reference = texts
+                        reference = {o.prompt: o.text for o in outcomes}
                     counters = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
                     runs[(name, clients)].append({"outcomes": outcomes, "wall": wall, "counters": counters,
-                                                  "equal": texts == reference})
+                                                  "equal": all(o.text == reference.get(o.prompt) for o in outcomes)})
                     tokens = counters.get("eaglespec:generation_tokens_total", 0.0)
                     print(json.dumps({"round": r + 1, "config": name, "concurrency": clients,
                                       "tokens_per_s": round(tokens / wall, 1)}), file=sys.stderr)
@@ -178,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         command = "python benchmarks/concurrency.py " + " ".join(argv or sys.argv[1:])
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"machine": describe_machine(), "model": args.model, "command": command,
-                                         "max_tokens": args.max_tokens, "rows": rows, "checks": checks},
+                                         "max_tokens": args.max_tokens, "requests_per_stream": args.requests_per_stream,
+                                         "rows": rows, "checks": checks},
                                         indent=2) + "\n")
     return 0 if all(checks.values()) else 1
 
