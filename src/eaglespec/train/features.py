@@ -8,6 +8,7 @@ for EAGLE-3, the fused low/mid/high features; it keeps one store per data file.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import sys
 from dataclasses import dataclass
@@ -137,23 +138,27 @@ class FeatureStore:
              "computed_in": str(self.compute_dtype or target.dtype)}) + "\n")
         for k in todo:
             idx = list(range(k * self.SHARD_EXAMPLES, min((k + 1) * self.SHARD_EXAMPLES, len(self.examples))))
-            # Sort by length inside the shard so batches pad little; rows are stored back in example order.
-            order = sorted(idx, key=lambda i: self.examples[i].input_ids.numel())
-            last_rows: dict[int, Tensor] = {}
-            feat_rows: dict[int, Tensor] = {}
+            # Rows go straight to their place in the shard's tensors (example order), so a shard is held once,
+            # not once in pieces and again concatenated; batches run sorted by length so they pad little.
+            lengths = {i: self.examples[i].input_ids.numel() for i in idx}
+            start = dict(zip(idx, itertools.accumulate([lengths[i] for i in idx], initial=0)))
+            tokens = sum(lengths.values())
+            order = sorted(idx, key=lengths.__getitem__)
+            tensors: dict[str, Tensor] = {}
             for s in range(0, len(order), batch_size):
                 chunk = order[s : s + batch_size]
                 ids, _, attn = pad_examples([self.examples[i] for i in chunk])
                 last, features = target.features_for_batch(ids, attn.long(), self.compute_dtype)
-                for row, i in enumerate(chunk):
-                    n = self.examples[i].input_ids.numel()
-                    last_rows[i] = last[row, :n].to("cpu", self.dtype)
+                if not tensors:
+                    tensors["last"] = torch.empty(tokens, last.shape[-1], dtype=self.dtype)  # [tokens, d]
                     if self.want_fused:
-                        feat_rows[i] = features[row, :n].to("cpu", self.dtype)
+                        tensors["features"] = torch.empty(tokens, features.shape[-1], dtype=self.dtype)  # [tokens, 3d]
+                for row, i in enumerate(chunk):
+                    lo, hi = start[i], start[i] + lengths[i]
+                    tensors["last"][lo:hi] = last[row, : lengths[i]]
+                    if self.want_fused:
+                        tensors["features"][lo:hi] = features[row, : lengths[i]]
                 bar.update(len(chunk))
-            tensors = {"last": torch.cat([last_rows[i] for i in idx])}  # [tokens, d]
-            if self.want_fused:
-                tensors["features"] = torch.cat([feat_rows[i] for i in idx])  # [tokens, 3d]
             tmp = self._shard_path(k).with_suffix(".tmp")
             save_file(tensors, str(tmp))
             tmp.rename(self._shard_path(k))
