@@ -15,9 +15,15 @@ from test_engine import random_head, vanilla_tokens
 from eaglespec import Engine, TreeSettings
 from eaglespec.cli import check_options
 from eaglespec.drafters.chain_length import GuessCount
-from eaglespec.drafters.eagle import GUESS_LOGP, EagleDrafter, matched_guesses, merge_guesses
+from eaglespec.drafters.eagle import GUESS_LOGP, EagleDrafter, append_chain, matched_guesses
 from eaglespec.errors import EagleSpecError
 from eaglespec.spec.tree import DraftTree
+
+
+def merge_guesses(tree: DraftTree, guesses: list[int], length: int) -> DraftTree:
+    """What `EagleDrafter._guess` does with `length` new nodes: down through the nodes the guesses match, then on."""
+    node, matched = matched_guesses(tree, guesses)
+    return append_chain(tree, node, guesses[matched : matched + length])
 
 
 def test_guesses_run_through_the_nodes_they_match_then_hang_as_a_chain():

@@ -162,13 +162,6 @@ def matched_guesses(tree: DraftTree, guesses: list[int]) -> tuple[int, int]:
     return node, len(guesses)
 
 
-def merge_guesses(tree: DraftTree, guesses: list[int], length: int) -> DraftTree:
-    """`tree` with the chain `guesses` (for what follows the root) merged in: down through the nodes whose tokens
-    it matches, then as up to `length` new nodes, each scoring `GUESS_LOGP` below its parent."""
-    node, matched = matched_guesses(tree, guesses)
-    return append_chain(tree, node, guesses[matched : matched + length])
-
-
 def append_chain(tree: DraftTree, node: int, chain: list[int]) -> DraftTree:
     """`tree` with `chain` hung under `node`, each token scoring `GUESS_LOGP` below its parent (`tree` itself when
     `chain` is empty)."""
