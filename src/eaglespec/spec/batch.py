@@ -75,6 +75,7 @@ class StepReport:
     prefills: int = 0  # requests whose prompt was read to its end (each emitted its first token)
     prefill_rows: int = 0  # prompt rows the forward read
     seconds: float = 0.0
+    forward_seconds: float = 0.0  # of them, the target's forward
 
 
 class _Active:
@@ -253,9 +254,9 @@ class BatchDecoder:
         seconds = time.perf_counter() - t0
         rows = sum(len(t) for t in trees)
         prompt_rows = sum(take for _, take in pieces)
-        if not prompt_rows:  # (the policy's costs are those of decode rows)
-            self.policy.observe_step(rows, seconds)
+        self.policy.observe_step(rows, seconds, prompt_rows)
         report.sequences, report.rows, report.prefill_rows = len(entries), rows, prompt_rows
+        report.forward_seconds = seconds
         report.drafted = sum(len(t) > 1 for t in trees)
         for (e, take), out in zip(pieces, outputs[len(entries):]):
             e.read += take

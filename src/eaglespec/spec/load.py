@@ -4,7 +4,9 @@ target verifies, from what the rows cost at the current batch width and what eac
 A batched verify pass costs T(N) seconds for N rows in all. On a memory-bound model T barely grows for the first
 rows (the weights are read once for all of them) and then grows about linearly once the arithmetic dominates; so
 a draft node that pays at batch 1 may not at batch 16, where the other sequences' rows already use the arithmetic
-the weights' reading leaves spare. `StepCosts` fits T(N) = a + b N online from the batched forwards' times.
+the weights' reading leaves spare. `StepCosts` fits T(N) = a + b N online from the batched forwards' times: those of
+decode rows alone, and until one is timed those that also read prompt pieces, by all their rows (a batch filling up
+reads prompts in every step, and knowing nothing of its costs it would draft for everyone).
 
 A step emits K tokens in T seconds (one per sequence, plus the accepted drafts). Drafting for a sequence adds its
 draft time d and r rows (b r seconds) and is expected to add g accepted tokens; it raises the batch's throughput
@@ -146,6 +148,9 @@ class LoadPolicy:
         self.probe_loss = 0.0  # what the probes so far were expected to lose against plain steps
         self.credit = 0.0  # what probes may still lose: probe_share of the rounds' time, capped (module docstring)
         self.costs = StepCosts()  # verify forwards: seconds by rows
+        # forwards that also read prompt pieces, by all their rows: the costs until a forward without one is timed
+        # (a batch filling up reads prompts every step)
+        self.prompt_costs = StepCosts()
         self.rounds = StepCosts()  # plain rounds: seconds by sequences
         self.draft_seconds = 0.0  # per drafting sequence, the draft call alone (moving average; 0 until measured)
         self.overhead: float | None = None  # per drafting sequence, all it adds to a round but its rows' forward cost
@@ -177,13 +182,20 @@ class LoadPolicy:
         o = self._outlook(key)
         return o.drafted == 0 or o.since_draft > 0
 
+    @property
+    def row_costs(self) -> StepCosts:
+        """T(N) as known: from forwards of decode rows only once one is timed, till then from those with prompt
+        rows (a prompt row costs a little less than a decode row: no LM head)."""
+        return self.costs if self.costs.known else self.prompt_costs
+
     # ---- decisions -----------------------------------------------------------------------------------------
     def plan(self, keys: list) -> Plan:
         """Which of the sequences `keys` (all taking part in the next step) draft."""
         n = len(keys)
-        base = self.rounds.time(n) if self.rounds.known else self.costs.time(n) if self.costs.known else 0.0
+        costs = self.row_costs
+        base = self.rounds.time(n) if self.rounds.known else costs.time(n) if costs.known else 0.0
         plan = Plan(tokens=float(n), seconds=base)
-        if not self.costs.known:  # nothing timed yet: draft, and learn what it costs
+        if not costs.known:  # nothing timed yet: draft, and learn what it costs
             plan.draft = set(keys)
             return plan
         if self.since_plain >= (self.plain_every if self.rounds.known else 8):
@@ -193,7 +205,7 @@ class LoadPolicy:
         for key in sorted(keys, key=lambda k: -self._outlook(k).accepted):
             o = self._outlook(key)
             extra_rows = max(round(o.rows), 1)
-            added = overhead + self.costs.time(rows + extra_rows) - self.costs.time(rows)
+            added = overhead + costs.time(rows + extra_rows) - costs.time(rows)
             pays = o.accepted * plan.seconds > plan.tokens * added  # g / (d + b r) > K / T
             period = o.probe_period or self.probe_every
             # at most one probe a round: a busy batch does not pay for many sequences' catch-up at once
@@ -222,9 +234,10 @@ class LoadPolicy:
 
     def prune(self, key, tree: DraftTree, plan: Plan) -> DraftTree:
         """The nodes of `tree` worth verifying in the planned step."""
-        if len(tree) <= 2 or not self.costs.known or plan.seconds <= 0:
+        costs = self.row_costs
+        if len(tree) <= 2 or not costs.known or plan.seconds <= 0:
             return tree
-        threshold = self.costs.b * plan.tokens / plan.seconds  # accepted tokens a row must bring
+        threshold = costs.b * plan.tokens / plan.seconds  # accepted tokens a row must bring
         if tree.scores is None:
             return self._cut_chain(key, tree, threshold, probe=key in plan.probes)
         trust = self._outlook(key).calibration
@@ -253,9 +266,12 @@ class LoadPolicy:
             chances[d] = self._blend(chances[d], float(accepted > d), weight=QUICK)
 
     # ---- what happened -------------------------------------------------------------------------------------
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """A batched forward of `rows` rows took `seconds`."""
-        self.costs.observe(rows, seconds)
+    def observe_step(self, rows: int, seconds: float, prompt_rows: int = 0) -> None:
+        """A batched forward of `rows` decode rows and `prompt_rows` prompt rows took `seconds`."""
+        if prompt_rows:
+            self.prompt_costs.observe(rows + prompt_rows, seconds)
+        else:
+            self.costs.observe(rows, seconds)
 
     def observe_round(self, sequences: int, drafting: int, rows: int, seconds: float, catching_up: int = 0) -> None:
         """A whole round (drafting, the verify forward of `rows` rows, acceptance) of `sequences` sequences, of which
