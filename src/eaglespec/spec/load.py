@@ -4,9 +4,10 @@ target verifies, from what the rows cost at the current batch width and what eac
 A batched verify pass costs T(N) seconds for N rows in all. On a memory-bound model T barely grows for the first
 rows (the weights are read once for all of them) and then grows about linearly once the arithmetic dominates; so
 a draft node that pays at batch 1 may not at batch 16, where the other sequences' rows already use the arithmetic
-the weights' reading leaves spare. `StepCosts` fits T(N) = a + b N online from the batched forwards' times: those of
-decode rows alone, and until one is timed those that also read prompt pieces, by all their rows (a batch filling up
-reads prompts in every step, and knowing nothing of its costs it would draft for everyone).
+the weights' reading leaves spare. `StepCosts` fits T(N) = a + b N online from the batched forwards' times, prompt
+pieces' rows counted with the decode rows (a prompt row costs a little less: no LM head): a batch filling up reads
+prompts in every step, and knowing nothing of its costs until a forward without one it drafted for everyone (16
+sequences: 0.82x plain batched decoding), while the pieces' rows give the fit the spread of widths it needs.
 
 A step emits K tokens in T seconds (one per sequence, plus the accepted drafts). Drafting for a sequence adds its
 draft time d and r rows (b r seconds) and is expected to add g accepted tokens; it raises the batch's throughput
@@ -147,10 +148,7 @@ class LoadPolicy:
         self.elapsed = 0.0  # seconds of the rounds timed so far
         self.probe_loss = 0.0  # what the probes so far were expected to lose against plain steps
         self.credit = 0.0  # what probes may still lose: probe_share of the rounds' time, capped (module docstring)
-        self.costs = StepCosts()  # verify forwards: seconds by rows
-        # forwards that also read prompt pieces, by all their rows: the costs until a forward without one is timed
-        # (a batch filling up reads prompts every step)
-        self.prompt_costs = StepCosts()
+        self.costs = StepCosts()  # verify forwards: seconds by rows (prompt pieces' rows included)
         self.rounds = StepCosts()  # plain rounds: seconds by sequences
         self.draft_seconds = 0.0  # per drafting sequence, the draft call alone (moving average; 0 until measured)
         self.overhead: float | None = None  # per drafting sequence, all it adds to a round but its rows' forward cost
@@ -182,17 +180,11 @@ class LoadPolicy:
         o = self._outlook(key)
         return o.drafted == 0 or o.since_draft > 0
 
-    @property
-    def row_costs(self) -> StepCosts:
-        """T(N) as known: from forwards of decode rows only once one is timed, till then from those with prompt
-        rows (a prompt row costs a little less than a decode row: no LM head)."""
-        return self.costs if self.costs.known else self.prompt_costs
-
     # ---- decisions -----------------------------------------------------------------------------------------
     def plan(self, keys: list) -> Plan:
         """Which of the sequences `keys` (all taking part in the next step) draft."""
         n = len(keys)
-        costs = self.row_costs
+        costs = self.costs
         base = self.rounds.time(n) if self.rounds.known else costs.time(n) if costs.known else 0.0
         plan = Plan(tokens=float(n), seconds=base)
         if not costs.known:  # nothing timed yet: draft, and learn what it costs
@@ -234,7 +226,7 @@ class LoadPolicy:
 
     def prune(self, key, tree: DraftTree, plan: Plan) -> DraftTree:
         """The nodes of `tree` worth verifying in the planned step."""
-        costs = self.row_costs
+        costs = self.costs
         if len(tree) <= 2 or not costs.known or plan.seconds <= 0:
             return tree
         threshold = costs.b * plan.tokens / plan.seconds  # accepted tokens a row must bring
@@ -268,10 +260,7 @@ class LoadPolicy:
     # ---- what happened -------------------------------------------------------------------------------------
     def observe_step(self, rows: int, seconds: float, prompt_rows: int = 0) -> None:
         """A batched forward of `rows` decode rows and `prompt_rows` prompt rows took `seconds`."""
-        if prompt_rows:
-            self.prompt_costs.observe(rows + prompt_rows, seconds)
-        else:
-            self.costs.observe(rows, seconds)
+        self.costs.observe(rows + prompt_rows, seconds)
 
     def observe_round(self, sequences: int, drafting: int, rows: int, seconds: float, catching_up: int = 0) -> None:
         """A whole round (drafting, the verify forward of `rows` rows, acceptance) of `sequences` sequences, of which
