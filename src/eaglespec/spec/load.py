@@ -184,10 +184,9 @@ class LoadPolicy:
     def plan(self, keys: list) -> Plan:
         """Which of the sequences `keys` (all taking part in the next step) draft."""
         n = len(keys)
-        costs = self.costs
-        base = self.rounds.time(n) if self.rounds.known else costs.time(n) if costs.known else 0.0
+        base = self.rounds.time(n) if self.rounds.known else self.costs.time(n) if self.costs.known else 0.0
         plan = Plan(tokens=float(n), seconds=base)
-        if not costs.known:  # nothing timed yet: draft, and learn what it costs
+        if not self.costs.known:  # nothing timed yet: draft, and learn what it costs
             plan.draft = set(keys)
             return plan
         if self.since_plain >= (self.plain_every if self.rounds.known else 8):
@@ -197,7 +196,7 @@ class LoadPolicy:
         for key in sorted(keys, key=lambda k: -self._outlook(k).accepted):
             o = self._outlook(key)
             extra_rows = max(round(o.rows), 1)
-            added = overhead + costs.time(rows + extra_rows) - costs.time(rows)
+            added = overhead + self.costs.time(rows + extra_rows) - self.costs.time(rows)
             pays = o.accepted * plan.seconds > plan.tokens * added  # g / (d + b r) > K / T
             period = o.probe_period or self.probe_every
             # at most one probe a round: a busy batch does not pay for many sequences' catch-up at once
@@ -226,10 +225,9 @@ class LoadPolicy:
 
     def prune(self, key, tree: DraftTree, plan: Plan) -> DraftTree:
         """The nodes of `tree` worth verifying in the planned step."""
-        costs = self.costs
-        if len(tree) <= 2 or not costs.known or plan.seconds <= 0:
+        if len(tree) <= 2 or not self.costs.known or plan.seconds <= 0:
             return tree
-        threshold = costs.b * plan.tokens / plan.seconds  # accepted tokens a row must bring
+        threshold = self.costs.b * plan.tokens / plan.seconds  # accepted tokens a row must bring
         if tree.scores is None:
             return self._cut_chain(key, tree, threshold, probe=key in plan.probes)
         trust = self._outlook(key).calibration
