@@ -61,7 +61,7 @@ def in_wheel(path: Path, package: Path) -> str:
     return f"eaglespec/{path.relative_to(package).as_posix()}"
 
 
-def test_the_wheel_holds_every_kernel_source_and_the_shipped_heads(wheel: Path) -> None:
+def test_the_wheel_holds_every_kernel_source_and_the_shipped_heads_and_ngrams(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     # every source of every build (as bf16gemm will look for them), and every kernel file in the checkout's csrc/
     # (a header or a new build's sources, at any depth)
@@ -72,8 +72,11 @@ def test_the_wheel_holds_every_kernel_source_and_the_shipped_heads(wheel: Path) 
                  if path.is_file() and path.suffix in KERNEL_SUFFIXES}
     heads = {in_wheel(path, SOURCE_PACKAGE) for path in (SOURCE_PACKAGE / "shipped_heads").rglob("*")
              if path.is_file() and "__pycache__" not in path.parts}
+    ngrams = {in_wheel(path, SOURCE_PACKAGE) for path in (SOURCE_PACKAGE / "shipped_ngrams").iterdir()
+              if path.is_file()}
     assert any(name.endswith(".safetensors") for name in heads)
-    missing = sorted((expected | heads) - names)
+    assert any(name.endswith(".safetensors") for name in ngrams)
+    missing = sorted((expected | heads | ngrams) - names)
     assert not missing, f"{wheel.name} lacks {missing}"
 
 

@@ -316,3 +316,56 @@ def test_cli_builds_an_ngram_model_and_refuses_it_without_staged(tmp_path, capsy
     assert NgramModel.load(out).contexts > 0 and "n-gram model of" in capsys.readouterr().err
     assert main(["generate", "hi", "--ngram", str(out)]) == 2
     assert "--method staged" in capsys.readouterr().err
+
+
+def test_the_ngram_model_shipped_for_the_05b_is_stageds_default():
+    """--ngram auto (the default): --method staged with a registry draft model reads the n-gram model shipped for it;
+    other methods, other draft models, None and "none" read the context's n-grams alone; a path is that file."""
+    from pathlib import Path
+
+    from eaglespec.drafters.ngram import NgramModel
+    from eaglespec.models import NGRAMS_DIR, REGISTRY, resolve_ngram, shipped_ngram
+
+    shipped = shipped_ngram("qwen2.5-coder-0.5b")
+    assert shipped is not None and shipped.parent == NGRAMS_DIR
+    model = NgramModel.load(shipped)
+    assert model.vocab_size == 151936 and model.contexts > 0  # the 0.5B's (and 1.5B's) vocabulary
+    assert all((NGRAMS_DIR / spec.ngram).is_file() for spec in REGISTRY.values() if spec.ngram)
+    assert resolve_ngram("auto", "staged", "qwen2.5-coder-0.5b") == shipped
+    assert resolve_ngram("auto", "eagle2", "qwen2.5-coder-0.5b") is None  # a head's --extend: the context alone
+    assert resolve_ngram("auto", "staged", "smollm2-135m") is None and shipped_ngram(None) is None
+    assert resolve_ngram("none", "staged", "qwen2.5-coder-0.5b") is None
+    assert resolve_ngram(None, "staged", "qwen2.5-coder-0.5b") is None
+    assert resolve_ngram("my.safetensors", "eagle2", None) == Path("my.safetensors")
+
+
+def test_engine_and_cli_take_the_draft_models_shipped_ngram_by_default(tmp_path, monkeypatch):
+    import eaglespec.api as api
+    import eaglespec.models as models
+    from eaglespec.cli import check_options
+    from eaglespec.drafters.ngram import NgramModel, Stage2Chain
+    from eaglespec.errors import EagleSpecError
+
+    target, tok = make_model("qwen2", seed=0), TinyTokenizer()
+    draft = make_model("qwen2", seed=1, layers=2)
+    expected = vanilla(target, PROMPT, 24)
+    corpus = [greedy_continuation(draft, PROMPT[:k], 12) for k in range(2, len(PROMPT))]
+    NgramModel.build(corpus, target.config.vocab_size, min_count=1).save(tmp_path / "tiny.safetensors")
+    monkeypatch.setattr(models, "NGRAMS_DIR", tmp_path)
+    monkeypatch.setitem(models.REGISTRY, "tiny-draft",
+                        models.ModelSpec("tiny-draft", "a test's draft model", ngram="tiny.safetensors"))
+    monkeypatch.setattr(api, "load_target", lambda name, *a, **k: (draft if name == "tiny-draft" else target, tok))
+    engine = Engine(model="tiny-target", method="staged", draft_model="tiny-draft", tree=TreeSettings(depth=4))
+    assert engine.ngram == tmp_path / "tiny.safetensors" and isinstance(engine.drafter.stage2, Stage2Chain)
+    assert engine.generate(PROMPT, max_new_tokens=24).tokens == expected
+    assert engine.drafter.guessed > 0  # the shipped model guessed (the prompt alone has no repeated n-gram)
+    off = Engine(model="tiny-target", method="staged", draft_model="tiny-draft", tree=TreeSettings(depth=4),
+                 ngram="none")
+    assert off.ngram is None and not isinstance(off.drafter.stage2, Stage2Chain)
+    assert off.generate(PROMPT, max_new_tokens=24).tokens == expected
+    base = dict(temperature=0.0, top_p=1.0, top_k=0, seed=None, max_new_tokens=8, device=None, draft_vocab=None,
+                tree="auto", head="auto", prompt="hi", draft_model=None, extend=0, model="smollm2-135m")
+    for value in ("auto", "none"):  # the default and its opposite go with any method
+        check_options(argparse.Namespace(**{**base, "method": "eagle2", "ngram": value}))
+    with pytest.raises(EagleSpecError, match="--ngram is the second stage"):
+        check_options(argparse.Namespace(**{**base, "method": "eagle2", "ngram": "x.safetensors"}))

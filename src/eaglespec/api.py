@@ -22,7 +22,7 @@ from .drafters import DRAFT_MODEL_METHODS, HEAD_METHODS, METHODS, Drafter, TreeS
 from .drafters.lookup import Stage2
 from .errors import EagleSpecError
 from .heads import DraftHead, check_head_fits, load_head
-from .models import DEFAULT_MODEL, default_extend, load_target, shipped_head_dir
+from .models import DEFAULT_MODEL, default_extend, load_target, resolve_ngram, shipped_head_dir
 from .platform import parse_device, parse_dtype
 from .spec.adaptive import ADAPTIVE_CHAINS, DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy, chain_policy
 from .spec.batch import PREFILL_CHUNK, BatchDecoder
@@ -77,7 +77,7 @@ class Engine:
         quantize: str | None = None,
         exact: bool | None = None,
         compile: bool = False,
-        ngram: str | Path | None = None,
+        ngram: str | Path | None = "auto",
         extend: int | None = None,
     ):
         """`tree`: "auto" (EAGLE-2 / chain: this machine's cached calibration, else a default for its CPU class,
@@ -94,7 +94,9 @@ class Engine:
         sees, else the CPU), "cpu", "cuda" or "cuda:N".
         `compile`: the target's decode steps through torch.compile (fast path; tens of seconds at start).
         `ngram` (method "staged"): a corpus n-gram model (`eaglespec train ngram`) guessing the draft model's chain
-        where the context's own n-grams do not (and, with `extend`, an EAGLE draft's continuation).
+        where the context's own n-grams do not (and, with `extend`, an EAGLE draft's continuation); "auto" (the
+        default): for staged the one shipped for a registry draft model (qwen2.5-coder-0.5b), none otherwise; None
+        or "none": the context's n-grams alone (`models.resolve_ngram`).
         `extend` (EAGLE heads): up to this many stage-2 guesses (the context's n-grams, then `ngram`'s) added to each
         draft tree, as a chain from the root through the head's nodes they match, for the target to verify
         (eaglespec.drafters.eagle; 0: none; None: the registry model's default, 8 for qwen2.5-coder-1.5b, else 0)."""
@@ -108,7 +110,7 @@ class Engine:
         dtype = parse_dtype(dtype, device, bf16_kernels=cpu_kernels.available(torch.bfloat16, device))
         hf_model, tokenizer = load_target(model, dtype=dtype, device=device, one_copy=True)
         self.notice = ""
-        self.ngram = ngram
+        self.ngram = resolve_ngram(ngram, method, draft_model)
         if extend is not None:
             check_extend(extend, method)
         head_module = None
@@ -148,7 +150,7 @@ class Engine:
         if method in DRAFT_MODEL_METHODS and draft_hf_model is None:
             raise EagleSpecError(f"method '{method}' needs a draft model")
         engine.draft_hf_model = draft_hf_model
-        engine.ngram, engine.extend = ngram, check_extend(extend, method)
+        engine.ngram, engine.extend = resolve_ngram(ngram, method, None), check_extend(extend, method)
         engine._setup(hf_model, tokenizer, head if method in HEAD_METHODS else None, method, tree, "the head",
                       backend, adapt, quantize, exact, compile)
         return engine

@@ -94,8 +94,10 @@ def model_options(p: argparse.ArgumentParser) -> None:
     e.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                    help="int8 / int4 weight-only target on a CPU (a slightly different model, decoded "
                         "losslessly)")
-    e.add_argument("--ngram", default=None, metavar="FILE",
-                   help="--method staged or --extend: a corpus n-gram model (eaglespec train ngram) for stage 2")
+    e.add_argument("--ngram", default="auto", metavar="FILE",
+                   help="--method staged or --extend: a corpus n-gram model (eaglespec train ngram) for stage 2; "
+                        "auto (default): with --method staged the one shipped for the draft model "
+                        "(qwen2.5-coder-0.5b), else none; none: the context's n-grams alone")
     e.add_argument("--extend", type=int, default=None, metavar="N",
                    help="EAGLE heads: up to N stage-2 guesses (n-grams) added to each draft tree "
                         "(default: the model's)")
@@ -196,7 +198,7 @@ def check_combinations(args: argparse.Namespace) -> None:
     extend = extend_from_args(args, method in HEAD_METHODS)
     if extend and method not in HEAD_METHODS:
         raise EagleSpecError(f"--extend continues an EAGLE head's draft; --method {method} has no head: drop --extend")
-    if getattr(args, "ngram", None) and method != "staged" and not extend:
+    if getattr(args, "ngram", None) not in (None, "auto", "none") and method != "staged" and not extend:
         raise EagleSpecError("--ngram is the second stage of --method staged (or of --extend N with a head): add one "
                              "or drop --ngram")
     if method not in HEAD_METHODS:

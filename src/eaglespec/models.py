@@ -29,6 +29,8 @@ DEFAULT_MODEL = "smollm2-135m"
 
 # Where shipped draft heads live (inside the installed package, so `pip install` carries them).
 HEADS_DIR = Path(__file__).resolve().parent / "shipped_heads"
+# Where shipped stage-2 n-gram models live (`eaglespec train ngram`; the second stage of --method staged).
+NGRAMS_DIR = Path(__file__).resolve().parent / "shipped_ngrams"
 
 
 # eaglespec's optional dependency (pyproject.toml) that installs every part of both Qwen2.5-Coder models.
@@ -54,6 +56,7 @@ class ModelSpec:
     chunks: ChunkedFile | None = None  # the file's parts, where it ships in pieces
     cache_dtype: torch.dtype = torch.float32
     extend: int = 0  # stage-2 guesses its EAGLE heads' draft trees take by default (`--extend`, drafters/eagle.py)
+    ngram: str = ""  # file under NGRAMS_DIR: the corpus n-gram model --method staged uses with this draft model
 
 
 REGISTRY: dict[str, ModelSpec] = {
@@ -106,6 +109,9 @@ REGISTRY: dict[str, ModelSpec] = {
                 extra=QWEN_CODER_EXTRA,
             ),
             cache_dtype=torch.bfloat16,
+            # a trigram model of the 1.5B's self-distilled answers (shipped_ngrams/README.md): as the draft model of
+            # --method staged, the second stage guesses its chain from the context's n-grams, then from this
+            ngram="qwen2.5-coder-0.5b.safetensors",
         ),
     ]
 }
@@ -354,6 +360,26 @@ def default_extend(name_or_path: str | Path) -> int:
     """The stage-2 guesses a registry model's EAGLE heads' drafts take by default (`--extend`); 0 for other models."""
     spec = REGISTRY.get(str(name_or_path))
     return spec.extend if spec is not None else 0
+
+
+def shipped_ngram(draft_model: str | None) -> Path | None:
+    """The stage-2 n-gram model shipped for a registry draft model (`ModelSpec.ngram`), or None."""
+    spec = REGISTRY.get(str(draft_model)) if draft_model is not None else None
+    if spec is None or not spec.ngram or not (NGRAMS_DIR / spec.ngram).is_file():
+        return None
+    return NGRAMS_DIR / spec.ngram
+
+
+def resolve_ngram(ngram: str | Path | None, method: str, draft_model: str | None) -> Path | None:
+    """The corpus n-gram model a method's second stage reads (`--ngram`): "auto" = for --method staged the one
+    shipped for its draft model (`shipped_ngram`), for other methods none (an EAGLE head's `--extend` guesses from
+    the context's n-grams alone unless given a file: on the 1.5B's HumanEval answers the corpus model's guesses did
+    not pay); None or "none" = none; anything else is a file path."""
+    if ngram is None or str(ngram) == "none":
+        return None
+    if str(ngram) == "auto":
+        return shipped_ngram(draft_model) if method == "staged" else None
+    return Path(ngram)
 
 
 def shipped_head_dir(name_or_path: str, kind: str | None = None) -> Path | None:

@@ -27,6 +27,7 @@ from ..drafters import TreeSettings
 from ..errors import EagleSpecError
 from ..llamacpp import LLAMA_CPP_PIP, llama_class
 from ..llamacpp import installed as llamacpp_installed
+from ..models import resolve_ngram
 from ..spec.adaptive import ADAPTIVE_CHAINS, DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy, chain_policy
 from ..targets import source
 from .base import BenchMethod, LoopMethod, RunOutput, Sampling, cut_after_eos
@@ -137,7 +138,7 @@ class MethodContext:
     head_dir: Path | None = None  # EAGLE head for eagle2 / eagle1 / chain
     head3_dir: Path | None = None  # EAGLE-3 head for eagle3
     draft_model: object | None = None  # sps, staged and hf-assisted
-    ngram: str | None = None  # staged (and heads' `extend`): a corpus n-gram model for the second stage
+    ngram: str | None = "auto"  # staged (and heads' `extend`): a corpus n-gram model for the second stage (--ngram)
     extend: int = 0  # heads' methods: stage-2 guesses added to each draft tree
     dtype: torch.dtype = torch.float32
     threads: int = 1
@@ -291,14 +292,17 @@ def build_methods(names: list[str], ctx: MethodContext,
             tree = (ctx.tree if value is None or swept_extend
                     else TreeSettings(**{**_tree_dict(base), sweep[0]: value}))
             extend = (value if swept_extend else ctx.extend) if head is not None else 0
+            ngram = resolve_ngram(ctx.ngram, name, ctx.draft_model_name) if name == "staged" or extend else None
             engine = Engine.from_model(ctx.model, ctx.tokenizer, head=head, method=engine_method, tree=tree,
                                        draft_hf_model=ctx.draft_model if name in ("sps", "staged") else None,
                                        backend=ctx.backend, adapt=False, quantize=ctx.quantize,
                                        exact=ctx.exact, compile=ctx.compile,
-                                       ngram=ctx.ngram if name == "staged" or extend else None, extend=extend)
+                                       ngram=ngram, extend=extend)
             settings = {"target": type(engine.target).__name__, "quantize": ctx.quantize}
             if extend:
                 settings["extend"] = extend
+            if ngram is not None:
+                settings["ngram"] = str(ngram)
             if name != "vanilla":
                 drafter_settings = getattr(engine.drafter, "settings", None)
                 settings["tree"] = _tree_dict(drafter_settings if drafter_settings is not None else base)
