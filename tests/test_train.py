@@ -474,6 +474,57 @@ def test_fast_path_features_are_the_rows_decoding_reads(tmp_path, data_file, tar
         Trainer(config(tmp_path, data_file, feature_path="gpu"), target_model, tok, progress=False)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: a tied LM head and a scaled embedding
+def test_float32_ends_come_from_the_checkpoint_not_the_bfloat16_rounding(tmp_path, tok, arch):
+    from eaglespec.models import load_target
+
+    model = make_model(arch, seed=4, vocab=48, layers=2)  # float32
+    model.save_pretrained(tmp_path / "tiny")
+    tok.save_pretrained(tmp_path / "tiny")
+    b16, _ = load_target(str(tmp_path / "tiny"), dtype="bfloat16", one_copy=True)
+    ends = TargetModel(b16).ends().in_float32(b16)
+    assert ends.dtype == torch.float32 and ends.embed_tokens.weight.dtype == torch.float32
+    assert torch.equal(ends.lm_head.weight, model.get_output_embeddings().weight)  # the stored float32 values
+    assert torch.equal(ends.embed_tokens.weight, model.get_input_embeddings().weight)
+    assert not torch.equal(ends.lm_head.weight, b16.get_output_embeddings().weight.float())  # not the rounding
+    assert (ends.lm_head.weight is ends.embed_tokens.weight) == (arch == "gemma3")  # tied stays tied
+    assert b16.get_output_embeddings().weight.dtype == torch.bfloat16  # the model itself is left as it was
+    ids = torch.tensor([[1, 5, 7]])
+    assert torch.equal(ends.embed_tokens(ids), model.get_input_embeddings()(ids))  # (gemma3: its scale too)
+    last = torch.randn(3, 64)
+    assert torch.equal(ends.logits_from_last(last), TargetModel(model).logits_from_last(last))
+    upcast = TargetModel(copy.deepcopy(model).to(torch.bfloat16)).ends().in_float32()  # no checkpoint: upcast
+    assert torch.equal(upcast.lm_head.weight, model.get_output_embeddings().weight.to(torch.bfloat16).float())
+    assert TargetModel(model).ends().in_float32(model).lm_head is model.get_output_embeddings()  # float32 already
+
+
+@pytest.mark.skipif(not bf16gemm.available(torch.bfloat16, "cpu"),
+                    reason="the fast path's row-invariant kernels need AVX-512 BF16 or AVX2 + FMA and a C++ compiler")
+def test_fast_path_training_holds_the_target_once(tmp_path, data_file, tok):
+    """`train head --feature-path fast` loads the target once, in bfloat16, for the features, and the losses read
+    float32 copies of its embedding and LM head from the checkpoint: the same head and losses as the float32 model
+    beside a bfloat16 copy, as before."""
+    from eaglespec.models import load_target
+
+    model = make_model("llama", seed=5, vocab=48, layers=2)
+    model.save_pretrained(tmp_path / "tiny")
+    tok.save_pretrained(tmp_path / "tiny")
+    b16, _ = load_target(str(tmp_path / "tiny"), dtype="bfloat16", one_copy=True)
+    once = Trainer(config(tmp_path / "once", data_file, kind="eagle3", feature_path="fast", max_steps=2), b16, tok,
+                   progress=False, feature_model=b16)
+    two = Trainer(config(tmp_path / "two", data_file, kind="eagle3", feature_path="fast", max_steps=2), model, tok,
+                  progress=False, feature_model=load_target(str(tmp_path / "tiny"), dtype="bfloat16")[0])
+    assert once.ends.lm_head.weight.dtype == torch.float32
+    assert torch.equal(once.ends.lm_head.weight, two.ends.lm_head.weight)
+    for a, b in zip(once.unwrapped().state_dict().values(), two.unwrapped().state_dict().values()):
+        assert torch.equal(a, b)  # the same initial head (its LM head rows from the float32 ends)
+    batch = once.train_source.batch([0, 1, 2])
+    assert torch.equal(batch.features, two.train_source.batch([0, 1, 2]).features)
+    assert torch.equal(once.loss(batch).total, two.loss(batch).total)
+    once.train()
+    assert (tmp_path / "once" / "run-eagle3" / "head" / "config.json").is_file()
+
+
 def test_feature_cache_keeps_one_store_per_file_and_reuses_it(tmp_path, target_model, tok, capsys):
     """A second run with one more data file computes only that file's features; EAGLE-1 reads the EAGLE-3 store;
     the trainer reuses the stores whatever its split; a corrupt shard is a clear error."""

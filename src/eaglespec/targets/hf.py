@@ -9,12 +9,14 @@ key/value tensors for the commit.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from ..errors import EagleSpecError
+from . import source
 
 FEATURE_KINDS = ("final", "eagle3")
 
@@ -84,6 +86,27 @@ class TargetEnds:
     @property
     def vocab_size(self) -> int:
         return self.lm_head.weight.shape[0]
+
+    def in_float32(self, model: torch.nn.Module | None = None) -> "TargetEnds":
+        """These ends with float32 copies of the embedding and the LM head (themselves where float32 already), for
+        training's inputs and labels when the target runs in bfloat16: the values of `model`'s checkpoint where
+        `models.load_target(..., one_copy=True)` loaded it (a float32 checkpoint's, not their bfloat16 rounding),
+        else the weights upcast. A tied LM head stays tied to the embedding."""
+        if self.dtype == torch.float32:
+            return self
+        weights: dict[int, torch.nn.Parameter] = {}  # id of a bfloat16 matrix -> its float32 copy
+
+        def float32(module: torch.nn.Module) -> torch.nn.Module:
+            key = id(module.weight)
+            if key not in weights:  # (a tied LM head finds the embedding's)
+                stored = None if model is None else source.stored_copy(model, module.weight, torch.float32)
+                weights[key] = torch.nn.Parameter(stored if stored is not None else module.weight.detach().float(),
+                                                  requires_grad=False)  # [V, d]
+            # a copy of the module with the float32 matrix in place of its own (the memo hands it to deepcopy, so
+            # the bfloat16 matrix is not copied first), its other tensors (a bias, a scale) in float32
+            return copy.deepcopy(module, {key: weights[key]}).float()
+
+        return TargetEnds(float32(self.embed_tokens), float32(self.lm_head), self.softcap)
 
     def logits_from_last(self, last: Tensor, vocab_ids: Tensor | None = None) -> Tensor:
         """The target's logits [..., V] (float32, soft-capped like its forward) from post-norm hidden states

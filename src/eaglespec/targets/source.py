@@ -185,6 +185,23 @@ def _matches_stored(source: _Source, name: str, parameter: Tensor, stored: dict[
     return saved.shape == parameter.shape and torch.equal(saved.to(parameter.dtype), parameter.detach().cpu())
 
 
+def stored_copy(model: nn.Module, parameter: nn.Parameter, dtype: torch.dtype) -> Tensor | None:
+    """`parameter` of `model` as its checkpoint stores it, in `dtype` (on the parameter's device), where `model` was
+    loaded by `load_target` with `one_copy` and the parameter is unchanged since; None otherwise. A model loaded in
+    bfloat16 from a float32 checkpoint thus yields the float32 values, not their bfloat16 rounding."""
+    source = _SOURCES.get(model)
+    name = {id(p): name for name, p in model.named_parameters()}.get(id(parameter))
+    if source is None or name is None:
+        return None
+    stored = _stored_names(source.files)
+    if not _matches_stored(source, name, parameter, stored):
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(stored[name]), framework="pt") as handle:
+        return handle.get_tensor(name).to(dtype=dtype, device=parameter.device)
+
+
 def released_bytes(model: nn.Module) -> int:
     """Bytes of `model`'s matrices released now."""
     source = _SOURCES.get(model)

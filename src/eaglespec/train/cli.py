@@ -150,10 +150,12 @@ def cmd_head(args: argparse.Namespace) -> int:
         mixed_precision=args.mixed_precision, time_budget_min=args.time_budget, ce_vocab=args.ce_vocab,
         init_head=args.init_head, reselect_vocab=args.reselect_vocab, intermediate_size=args.intermediate_size,
     )
-    model, tokenizer = load_target(args.model, dtype="float32")
-    feature_model = None
-    if args.feature_path == "fast":  # the model as decoding loads it, for the fast path's features
-        feature_model, _ = load_target(args.model, dtype="bfloat16", one_copy=True)
+    if args.feature_path == "fast":  # the model once, as decoding loads it: the fast path's features, float32 ends
+        model, tokenizer = load_target(args.model, dtype="bfloat16", one_copy=True)
+        feature_model = model
+    else:
+        model, tokenizer = load_target(args.model, dtype="float32")
+        feature_model = None
     trainer = Trainer(config, model, tokenizer, feature_model=feature_model)
     del model, feature_model  # with cached features the trainer keeps only the embedding and the LM head: free the rest
     gc.collect()
@@ -180,23 +182,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.steps < 1:
         raise EagleSpecError(f"--steps must be at least 1, got {args.steps}")
-    model, tokenizer = load_target(args.model, dtype="float32", device=args.device)
+    fast = args.feature_path == "fast"  # the rows drafting reads, from the model as decoding loads it (once)
+    model, tokenizer = load_target(args.model, dtype="bfloat16" if fast else "float32", device=args.device,
+                                   one_copy=fast)
     head = load_head(args.head, draft_vocab=args.draft_vocab, device=model.device)
     kind = "eagle3" if head.config.kind == "eagle3" else "final"
     target = TargetModel(model, feature_kind=kind)
     check_head_fits(head, target, f"the head in '{args.head}'")
-    features_from = target  # --feature-path fast: the rows drafting reads (labels still from the model's LM head)
-    if args.feature_path == "fast":
+    features_from = target
+    if fast:
         from ..targets.fast import make_target
 
-        fast_model, _ = load_target(args.model, dtype="bfloat16", device=args.device, one_copy=True)
-        features_from = make_target(fast_model, kind, backend="fast")
+        features_from = make_target(model, kind, backend="fast")
     convs = [c for path in args.data for c in read_conversations(path)]
     examples = encode_dataset(tokenizer, convs, args.max_length)
     if args.limit is not None:
         examples = examples[: args.limit]
-    result = draft_accuracy(head, target, OnlineFeatures(features_from, examples), list(range(len(examples))),
-                            args.steps)
+    # (labels from the LM head in float32, as training computes them)
+    result = draft_accuracy(head, target.ends().in_float32(model), OnlineFeatures(features_from, examples),
+                            list(range(len(examples))), args.steps)
     print(f"{len(examples)} conversations: {format_accuracy(result)}")
     if args.out:
         Path(args.out).write_text(json.dumps({"head": str(args.head), "data": args.data,

@@ -179,7 +179,9 @@ class Trainer:
     def __init__(self, config: TrainConfig, hf_model, tokenizer, progress: bool = True, feature_model=None):
         """`feature_model`: with `config.feature_path == "fast"`, the model the fast path runs on (bfloat16, as
         decoding loads it: `load_target(name, dtype="bfloat16", one_copy=True)`); None = a bfloat16 copy of
-        `hf_model`. The training features are then the rows a head reads when drafting from that fast target."""
+        `hf_model`. The training features are then the rows a head reads when drafting from that fast target.
+        `hf_model` may be that same model (what `train head --feature-path fast` passes, so the target is in memory
+        once): the losses read float32 copies of its embedding and LM head (`TargetEnds.in_float32`)."""
         from accelerate import Accelerator
 
         if config.kind not in ("eagle1", "eagle3"):
@@ -196,6 +198,9 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         self.target = TargetModel(hf_model.to(self.accelerator.device),
                                   feature_kind="eagle3" if config.kind == "eagle3" else "final")
+        # what the losses read of the target: its embedding and LM head, in float32 (inputs and labels) even where the
+        # model is the bfloat16 one the fast path computes features with
+        self.ends = self.target.ends().in_float32(hf_model)
         self.feature_target = self._feature_target(hf_model, feature_model)  # what computes the features
 
         eval_files = config.eval_data or []
@@ -216,7 +221,7 @@ class Trainer:
         self.head = self._new_head(train)  # before the feature pass: a head that does not fit fails at once
         self.train_source, self.eval_source = self._sources(files, train_idx, held_idx)
         if config.cache_features:  # every feature is on disk: the losses read only the target's two ends
-            self.target, self.feature_target = self.target.ends(), None
+            self.target, self.feature_target = self.ends, None
             gc.collect()  # (the decoder layers go once the caller drops the model too, as the CLI does)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=config.lr, betas=(0.9, 0.95),
@@ -356,7 +361,7 @@ class Trainer:
         kept = old_slot >= 0
         with torch.no_grad():
             trained = head.lm_head.weight.float()  # [Vd, d]
-            rows = self.target.lm_head.weight.detach().float().cpu()[ids].clone()  # [Vd', d]
+            rows = self.ends.lm_head.weight.detach().float().cpu()[ids].clone()  # [Vd', d]
             if kept.any():
                 scale = trained[old_slot[kept]].norm(dim=-1).mean() / rows[kept].norm(dim=-1).mean()
                 rows = rows * scale
@@ -376,7 +381,7 @@ class Trainer:
         """EAGLE-3: start the head's LM head from the target's rows for the draft vocabulary and its output norm
         from the target's final norm, so a short run need not learn a 4.7M-parameter readout from scratch."""
         with torch.no_grad():
-            head.lm_head.weight.copy_(self.target.lm_head.weight[ids.to(self.target.lm_head.weight.device)])
+            head.lm_head.weight.copy_(self.ends.lm_head.weight[ids.to(self.ends.device)])
             final_norm = getattr(self.target.decoder, "norm", None)
             plain = final_norm is not None and "Gemma" not in type(final_norm).__name__  # Gemma stores 1 + w
             if plain and getattr(final_norm, "weight", None) is not None \
@@ -481,7 +486,7 @@ class Trainer:
     def evaluate(self) -> dict | None:
         if self.eval_source is None or not self.accelerator.is_main_process:
             return None
-        result = draft_accuracy(self.unwrapped(), self.target, self.eval_source,
+        result = draft_accuracy(self.unwrapped(), self.ends, self.eval_source,
                                 list(range(len(self.eval_examples))), self.config.eval_steps, self.config.batch_size)
         self.print(f"eval step {self.step}: {format_accuracy(result)}")
         log_jsonl(self.out / "eval.jsonl", {"step": self.step, **result})
@@ -494,9 +499,9 @@ class Trainer:
         head = self.unwrapped()
         batch = batch.to(self.accelerator.device)
         if c.kind == "eagle1":
-            return eagle1_loss(head, self.target, batch, c.input_noise(), self.generator, c.feature_weight, c.ce_weight,
+            return eagle1_loss(head, self.ends, batch, c.input_noise(), self.generator, c.feature_weight, c.ce_weight,
                                model=self.head, steps=c.unroll_steps())
-        return eagle3_loss(head, self.target, batch, c.unroll_steps(), model=self.head)
+        return eagle3_loss(head, self.ends, batch, c.unroll_steps(), model=self.head)
 
     def train(self, stop_after: int | None = None) -> DraftHead:
         """Train until total_steps (or `stop_after` more steps, for tests that simulate an interruption)."""
