@@ -95,9 +95,7 @@ def model_options(p: argparse.ArgumentParser) -> None:
                    help="int8 / int4 weight-only target on a CPU (a slightly different model, decoded "
                         "losslessly)")
     e.add_argument("--ngram", default="auto", metavar="FILE",
-                   help="--method staged or --extend: a corpus n-gram model (eaglespec train ngram) for stage 2; "
-                        "auto (default): with --method staged the one shipped for the draft model "
-                        "(qwen2.5-coder-0.5b), else none; none: the context's n-grams alone")
+                   help="stage-2 n-gram model for staged or --extend (auto: the draft model's; none)")
     e.add_argument("--extend", type=int, default=None, metavar="N",
                    help="EAGLE heads: up to N stage-2 guesses (n-grams) added to each draft tree "
                         "(default: the model's)")

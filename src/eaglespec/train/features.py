@@ -68,7 +68,8 @@ class OnlineFeatures:
     def batch(self, indices: list[int]) -> Batch:
         ids, loss, attn = pad_examples([self.examples[i] for i in indices])
         last, features = self.target.features_for_batch(ids, attn.long(), self.compute_dtype)
-        return Batch(ids, loss, attn, last, features)
+        # float32, as a store serves them (the fast path and --feature-dtype bfloat16 compute them in bfloat16)
+        return Batch(ids, loss, attn, last.float(), features.float())
 
 
 def dataset_fingerprint(examples: list[Example], model_name: str, compute_dtype: torch.dtype | None = None) -> str:
