@@ -477,12 +477,13 @@ def test_fast_path_features_are_the_rows_decoding_reads(tmp_path, data_file, tar
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: a tied LM head and a scaled embedding
 def test_float32_ends_come_from_the_checkpoint_not_the_bfloat16_rounding(tmp_path, tok, arch):
     from eaglespec.models import load_target
+    from eaglespec.targets import source
 
     model = make_model(arch, seed=4, vocab=48, layers=2)  # float32
     model.save_pretrained(tmp_path / "tiny")
     tok.save_pretrained(tmp_path / "tiny")
     b16, _ = load_target(str(tmp_path / "tiny"), dtype="bfloat16", one_copy=True)
-    ends = TargetModel(b16).ends().in_float32(b16)
+    ends = TargetModel(b16).ends().in_float32(lambda weight: source.stored_copy(b16, weight))
     assert ends.dtype == torch.float32 and ends.embed_tokens.weight.dtype == torch.float32
     assert torch.equal(ends.lm_head.weight, model.get_output_embeddings().weight)  # the stored float32 values
     assert torch.equal(ends.embed_tokens.weight, model.get_input_embeddings().weight)
@@ -495,7 +496,7 @@ def test_float32_ends_come_from_the_checkpoint_not_the_bfloat16_rounding(tmp_pat
     assert torch.equal(ends.logits_from_last(last), TargetModel(model).logits_from_last(last))
     upcast = TargetModel(copy.deepcopy(model).to(torch.bfloat16)).ends().in_float32()  # no checkpoint: upcast
     assert torch.equal(upcast.lm_head.weight, model.get_output_embeddings().weight.to(torch.bfloat16).float())
-    assert TargetModel(model).ends().in_float32(model).lm_head is model.get_output_embeddings()  # float32 already
+    assert TargetModel(model).ends().in_float32().lm_head is model.get_output_embeddings()  # float32 already
 
 
 @pytest.mark.skipif(not bf16gemm.available(torch.bfloat16, "cpu"),

@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from ..errors import EagleSpecError
-from . import source
 
 FEATURE_KINDS = ("final", "eagle3")
 
@@ -87,11 +86,12 @@ class TargetEnds:
     def vocab_size(self) -> int:
         return self.lm_head.weight.shape[0]
 
-    def in_float32(self, model: torch.nn.Module | None = None) -> "TargetEnds":
+    def in_float32(self, stored: Callable[[torch.nn.Parameter], Tensor | None] | None = None) -> "TargetEnds":
         """These ends with float32 copies of the embedding and the LM head (themselves where float32 already), for
-        training's inputs and labels when the target runs in bfloat16: the values of `model`'s checkpoint where
-        `models.load_target(..., one_copy=True)` loaded it (a float32 checkpoint's, not their bfloat16 rounding),
-        else the weights upcast. A tied LM head stays tied to the embedding."""
+        training's inputs and labels when the target runs in bfloat16. `stored(weight)`: that matrix as the
+        checkpoint holds it, in float32, or None (e.g. `targets.source.stored_copy`: a float32 checkpoint's own
+        values, not their bfloat16 rounding); without it, or where it gives None, the weights upcast. A tied LM head
+        stays tied to the embedding."""
         if self.dtype == torch.float32:
             return self
         weights: dict[int, torch.nn.Parameter] = {}  # id of a bfloat16 matrix -> its float32 copy
@@ -99,8 +99,8 @@ class TargetEnds:
         def float32(module: torch.nn.Module) -> torch.nn.Module:
             key = id(module.weight)
             if key not in weights:  # (a tied LM head finds the embedding's)
-                stored = None if model is None else source.stored_copy(model, module.weight, torch.float32)
-                weights[key] = torch.nn.Parameter(stored if stored is not None else module.weight.detach().float(),
+                saved = None if stored is None else stored(module.weight)
+                weights[key] = torch.nn.Parameter(saved if saved is not None else module.weight.detach().float(),
                                                   requires_grad=False)  # [V, d]
             # a copy of the module with the float32 matrix in place of its own (the memo hands it to deepcopy, so
             # the bfloat16 matrix is not copied first), its other tensors (a bias, a scale) in float32

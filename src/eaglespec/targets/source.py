@@ -185,7 +185,7 @@ def _matches_stored(source: _Source, name: str, parameter: Tensor, stored: dict[
     return saved.shape == parameter.shape and torch.equal(saved.to(parameter.dtype), parameter.detach().cpu())
 
 
-def stored_copy(model: nn.Module, parameter: nn.Parameter, dtype: torch.dtype) -> Tensor | None:
+def stored_copy(model: nn.Module, parameter: nn.Parameter, dtype: torch.dtype = torch.float32) -> Tensor | None:
     """`parameter` of `model` as its checkpoint stores it, in `dtype` (on the parameter's device), where `model` was
     loaded by `load_target` with `one_copy` and the parameter is unchanged since; None otherwise. A model loaded in
     bfloat16 from a float32 checkpoint thus yields the float32 values, not their bfloat16 rounding."""

@@ -34,6 +34,7 @@ from ..heads import (
     save_head,
 )
 from ..platform import gpu_lacks_native_bf16
+from ..targets import source
 from ..targets.hf import TargetModel
 from .data import Example, encode_files, read_conversations
 from .evaluate import draft_accuracy, format_accuracy, log_jsonl
@@ -200,7 +201,7 @@ class Trainer:
                                   feature_kind="eagle3" if config.kind == "eagle3" else "final")
         # what the losses read of the target: its embedding and LM head, in float32 (inputs and labels) even where the
         # model is the bfloat16 one the fast path computes features with
-        self.ends = self.target.ends().in_float32(hf_model)
+        self.ends = self.target.ends().in_float32(lambda weight: source.stored_copy(hf_model, weight))
         self.feature_target = self._feature_target(hf_model, feature_model)  # what computes the features
 
         eval_files = config.eval_data or []
@@ -271,7 +272,6 @@ class Trainer:
         if c.feature_dtype != "float32":
             raise EagleSpecError("--feature-dtype applies to --feature-path model; the fast path computes features "
                                  "as it decodes")
-        from ..targets import source
         from ..targets.fast import make_target
 
         if feature_model is None:  # a bfloat16 copy (a GGUF model keeps its file: the fast path reads its blocks)
