@@ -373,8 +373,8 @@ def shipped_ngram(draft_model: str | None) -> Path | None:
 def resolve_ngram(ngram: str | Path | None, method: str, draft_model: str | None) -> Path | None:
     """The corpus n-gram model a method's second stage reads (`--ngram`): "auto" = for --method staged the one
     shipped for its draft model (`shipped_ngram`), for other methods none (an EAGLE head's `--extend` guesses from
-    the context's n-grams alone unless given a file: on the 1.5B's HumanEval answers the corpus model's guesses did
-    not pay); None or "none" = none; anything else is a file path."""
+    the context's n-grams alone unless given a file: the 1.5B on 8 HumanEval tasks ran 2.48x plain decoding with the
+    0.5B's file, 2.96x without, in runs an hour apart); None or "none" = none; anything else is a file path."""
     if ngram is None or str(ngram) == "none":
         return None
     if str(ngram) == "auto":
