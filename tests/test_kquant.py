@@ -131,11 +131,12 @@ def test_super_blocks_pack_rebuild_the_weights_and_are_row_invariant(n, k):
 
 
 def assert_exact_and_row_invariant(layer, weight: torch.Tensor, bias: torch.Tensor) -> None:
-    """The product of 19 bfloat16 rows is the exact one (float64) up to bfloat16 and float32 rounding, and each row's
+    """The product of 70 bfloat16 rows is the exact one (float64) up to bfloat16 and float32 rounding, and each row's
     bits are the same alone, in the first r rows or after other rows (tiles of 8 rows on AVX-512: 9-16 take two; of
-    16 rows in the AMX build: 17-19 take two)."""
+    16 rows in the AMX build: 17-64 rows in up to 4 tiles sharing each block's unpacking; passes of up to 64 rows over
+    the weights in every build: 65-70 take two)."""
     k = weight.shape[1]
-    x = torch.randn(19, k).bfloat16()
+    x = torch.randn(70, k).bfloat16()
     whole = layer(x)
     exact = x.double() @ weight.double().T + bias.double()
     bound = exact.abs() * 2**-8 + 1e-5 * k * (x.double().abs() @ weight.double().abs().T)
@@ -143,6 +144,10 @@ def assert_exact_and_row_invariant(layer, weight: torch.Tensor, bias: torch.Tens
     for rows in range(1, 19):
         assert torch.equal(layer(x[:rows]), whole[:rows]), rows
         assert torch.equal(layer(x[rows : rows + 1]), whole[rows : rows + 1]), rows
+    for rows in (31, 32, 33, 48, 49, 64, 65, 70):
+        assert torch.equal(layer(x[:rows]), whole[:rows]), rows
+    assert torch.equal(layer(x[5:50]), whole[5:50])
+    assert torch.equal(layer(x[66:67]), whole[66:67])
 
 
 @pytest.mark.parametrize("kind", ["Q6_K", "Q5_0"])

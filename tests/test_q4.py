@@ -73,18 +73,20 @@ def test_kernel_rebuilds_the_weights_and_is_row_invariant(n, k):
     assert torch.equal(torch.ops.eaglespec.q4_unpack(packed, n, k), weight)
     bias = torch.randn(n)
     layer = q4.Q4Linear(blocks, bias)
-    x = torch.randn(19, k).bfloat16()
-    whole = layer(x)  # [19, n] bfloat16
+    x = torch.randn(70, k).bfloat16()
+    whole = layer(x)  # [70, n] bfloat16
     exact = x.double() @ weight.double().T + bias.double()
     bound = exact.abs() * 2**-8 + 1e-5 * k * (x.double().abs() @ weight.double().abs().T)
     assert whole.dtype == torch.bfloat16 and ((whole.double() - exact).abs() <= bound).all()
     # AVX2: passes of up to 4 rows (5 = 2 + 3, 9 = 3 + 3 + 3), 1-4 rows with their own loops; AVX-512: tiles of up to
-    # 8 rows; AMX: tiles of up to 16 (17-19 take two)
-    for rows in range(1, 19):
+    # 8 rows; AMX: tiles of up to 16, and 17-64 rows in up to 4 tiles sharing each block's unpacking; any build: passes
+    # of up to 64 rows over the weights (65-70 take two)
+    for rows in [*range(1, 20), 31, 32, 33, 47, 48, 49, 63, 64, 65, 70]:
         assert torch.equal(layer(x[:rows]), whole[:rows]), rows
-    assert torch.equal(layer(x[7:8]), whole[7:8])
-    assert torch.equal(layer(x[17:18]), whole[17:18])
-    assert torch.equal(layer(x.view(1, 19, k))[0], whole)
+    for row in (7, 17, 40, 66):
+        assert torch.equal(layer(x[row : row + 1]), whole[row : row + 1]), row
+    assert torch.equal(layer(x[3:40]), whole[3:40])
+    assert torch.equal(layer(x.view(1, 70, k))[0], whole)
 
 
 @needs_kernel

@@ -18,15 +18,36 @@ from tqdm.auto import tqdm
 from .backends.cpu import kernels as cpu_kernels
 from .backends.cpu.apply import eagle_drafter
 from .backends.cpu.quant import check_mode
-from .drafters import DRAFT_MODEL_METHODS, HEAD_METHODS, METHODS, Drafter, TreeSettings, VanillaDrafter
+from .drafters import (
+    DRAFT_MODEL_METHODS,
+    HEAD_METHODS,
+    METHODS,
+    Drafter,
+    TreeSettings,
+    VanillaDrafter,
+)
 from .drafters.lookup import Stage2
 from .errors import EagleSpecError
 from .heads import DraftHead, check_head_fits, load_head
-from .models import DEFAULT_MODEL, default_extend, load_target, resolve_ngram, shipped_head_dir
+from .models import (
+    DEFAULT_MODEL,
+    default_extend,
+    load_target,
+    resolve_ngram,
+    shipped_head_dir,
+)
 from .platform import parse_device, parse_dtype
-from .spec.adaptive import ADAPTIVE_CHAINS, DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy, chain_policy
+from .spec.adaptive import (
+    ADAPTIVE_CHAINS,
+    DRAFT,
+    PLAIN,
+    AdaptiveDrafter,
+    SwitchPolicy,
+    chain_policy,
+)
 from .spec.batch import PREFILL_CHUNK, BatchDecoder
 from .spec.decode import Finished, GenerationStats, SpecDecoder, Step
+from .spec.prefix import DEFAULT_BYTES as PREFIX_CACHE_BYTES
 from .spec.verify import SamplingParams
 from .targets.fast import make_target
 from .targets.pool import TargetPool
@@ -273,16 +294,17 @@ class Engine:
         raise RuntimeError("the decoding loop ended without a result")
 
     def batch_decoder(self, max_batch: int = DEFAULT_MAX_BATCH, speculate: str = "auto",
-                      prefill_chunk: int = PREFILL_CHUNK) -> BatchDecoder:
+                      prefill_chunk: int = PREFILL_CHUNK, prefix_cache_bytes: int = PREFIX_CACHE_BYTES) -> BatchDecoder:
         """A continuous-batching decoder over this engine's model and drafting method (eaglespec.spec.batch): up to
         `max_batch` sequences decode together, each with its own draft tree or none (`speculate`: "auto" drafts
         where the measured costs say it pays at the current batch width, "always", "never"); new prompts are read
-        `prefill_chunk` rows a step beside the running sequences. Its KV-cache slots are allocated now; the
+        `prefill_chunk` rows a step beside the running sequences, and a prompt starting like one read before takes
+        those rows from a prefix cache of `prefix_cache_bytes` (0: none). Its KV-cache slots are allocated now; the
         weights are shared with this engine."""
         drafter = getattr(self.drafter, "inner", self.drafter)  # (the batch decides per step, not the adaptive policy)
         pool = TargetPool(self.target, max_batch)
         return BatchDecoder(pool, self.tokenizer, drafter, sorted(self.decoder.eos), speculate=speculate,
-                            prefill_chunk=prefill_chunk)
+                            prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
 
     def generate_batch(self, prompts: list[Prompt | list[int]], max_new_tokens: int = 256, temperature: float = 0.0,
                        top_p: float = 1.0, top_k: int = 0, seed: int | list[int | None] | None = None,

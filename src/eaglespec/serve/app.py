@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import EagleSpecError
 from ..spec.batch import PREFILL_CHUNK
 from ..spec.decode import Step
+from ..spec.prefix import DEFAULT_BYTES as PREFIX_CACHE_BYTES
 from ..spec.verify import SamplingParams
 from .batch_worker import BatchWorker
 from .metrics import ServerMetrics
@@ -59,6 +60,7 @@ class ServerConfig:
     max_batch: int = 1  # requests decoded together (batch_worker.py); 1: one at a time (worker.py)
     speculate: str = "auto"  # with max_batch > 1: "auto" (load-aware), "always" or "never"
     prefill_chunk: int = PREFILL_CHUNK  # with max_batch > 1: prompt rows a step reads while others decode
+    prefix_cache_bytes: int = PREFIX_CACHE_BYTES  # with max_batch > 1: the prefix cache's budget (0: none)
 
 
 class Server:
@@ -73,7 +75,8 @@ class Server:
         if config.max_batch > 1:  # (its KV-cache slots are allocated on the generation thread too)
             self.worker = thread.call(BatchWorker, engine, self.metrics, max_queue=config.max_queue,
                                       timeout=config.timeout, max_batch=config.max_batch,
-                                      speculate=config.speculate, prefill_chunk=config.prefill_chunk, thread=thread)
+                                      speculate=config.speculate, prefill_chunk=config.prefill_chunk,
+                                      prefix_cache_bytes=config.prefix_cache_bytes, thread=thread)
         else:
             self.worker = GenerationWorker(engine, self.metrics, max_queue=config.max_queue, timeout=config.timeout,
                                            thread=thread)

@@ -18,6 +18,7 @@ import time
 from ..errors import EagleSpecError
 from ..spec.batch import PREFILL_CHUNK
 from ..spec.decode import Finished
+from ..spec.prefix import DEFAULT_BYTES as PREFIX_CACHE_BYTES
 from ..spec.verify import SamplingParams
 from .metrics import ServerMetrics
 from .schemas import APIError
@@ -33,10 +34,11 @@ class BatchWorker(Worker):
 
     def __init__(self, engine, metrics: ServerMetrics, max_queue: int = 64, timeout: float = 300.0,
                  max_batch: int = 8, speculate: str = "auto", prefill_chunk: int = PREFILL_CHUNK,
+                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
                  thread: GenerationThread | None = None):
         super().__init__(engine, metrics, max_queue=max_queue, timeout=timeout, thread=thread)
         self.max_batch = max_batch
-        self.batch = engine.batch_decoder(max_batch, speculate, prefill_chunk)
+        self.batch = engine.batch_decoder(max_batch, speculate, prefill_chunk, prefix_cache_bytes)
         self.jobs: dict[int, Progress] = {}  # the batch's requests by key
         self._ids = itertools.count()
 

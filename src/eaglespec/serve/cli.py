@@ -64,6 +64,9 @@ def register(subparsers, model_options: Callable, sampling_options: Callable) ->
                    help="with --max-batch above 1: prompt rows a step reads while other requests decode (a new "
                         "request's prompt is read in pieces beside their steps; larger: sooner first tokens for new "
                         "requests, longer pauses for running ones; default: 32)")
+    g.add_argument("--prefix-cache-mb", type=float, default=256.0,
+                   help="with --max-batch above 1: memory for the KV rows of prompts read before; a prompt starting "
+                        "like one of them (a system prompt) reads only the rest (exact; 0: off; default: 256)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -97,7 +100,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(model_name=args.served_model_name or args.model, api_key=api_key,
                           max_queue=args.max_queue, timeout=args.timeout, max_tokens_limit=args.max_tokens_limit,
                           max_batch=max_batch, speculate=args.speculate,
-                          prefill_chunk=args.prefill_chunk or PREFILL_CHUNK)
+                          prefill_chunk=args.prefill_chunk or PREFILL_CHUNK,
+                          prefix_cache_bytes=int(max(args.prefix_cache_mb, 0.0) * 2**20))
     prometheus_client.disable_created_metrics()  # no `*_created` series (as vLLM): this process is the server
     app = create_app(engine, config, thread)
     print(f"eaglespec: serving '{config.model_name}' (method {engine.method}, batches of up to {max_batch}) on "

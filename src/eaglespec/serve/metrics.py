@@ -20,6 +20,7 @@ Batched decoding (`--max-batch` above 1), per batched step:
   eaglespec:batch_sequences_plain_total           sequences that decoded one token without a draft in a step
   eaglespec:batch_rows_total                      rows the target verified in batched steps
   eaglespec:batch_prefill_rows_total              prompt rows read in batched steps (chunked prefill)
+  eaglespec:prefix_cache_rows_total               prompt rows taken from the prefix cache instead of read
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class ServerMetrics:
         self.batch_plain = counter("batch_sequences_plain", "Sequences that decoded without a draft in a step")
         self.batch_rows = counter("batch_rows", "Rows the target verified in batched steps")
         self.batch_prefill_rows = counter("batch_prefill_rows", "Prompt rows read in batched steps (chunked prefill)")
+        self.prefix_cache_rows = counter("prefix_cache_rows", "Prompt rows taken from the prefix cache instead of read")
         self._lock = threading.Lock()
         self._emitted = 0  # tokens emitted by verify forwards, for tau
         self._forwards = 0
@@ -151,6 +153,7 @@ class ServerMetrics:
         self._m(self.batch_plain).inc(report.sequences - report.drafted)
         self._m(self.batch_rows).inc(report.rows)
         self._m(self.batch_prefill_rows).inc(report.prefill_rows)
+        self._m(self.prefix_cache_rows).inc(report.prefix_rows)
 
     def started(self, queue_time: float, prompt_tokens: int) -> None:
         self._m(self.queue_time).observe(queue_time)

@@ -7,7 +7,9 @@ A step of `BatchDecoder`:
    the step's forward beside the running sequences' trees (chunked prefill), so a long prompt never stalls the
    others for more than a piece; where the pool cannot cut a prompt without changing its bits
    (`pool.chunked_prefill`), prompts are read whole, at least one a step. When nothing else runs, prompts are read
-   whole. A request emits its first token in the step that reads the last of its prompt;
+   whole. A request emits its first token in the step that reads the last of its prompt. Where prompts are read in
+   pieces, a prompt starting with the tokens of one read before (a chat template's system prompt) takes those rows
+   from the prefix cache (spec/prefix.py) instead of reading them;
 2. planning: `spec.load.LoadPolicy` chooses which sequences draft this step, from the measured cost of rows at the
    current batch width and each sequence's recent acceptance (with `speculate="always"` all draft, "never" none);
 3. drafting: each drafting sequence's own drafter grows its tree (its own state: a fork of the engine's drafter),
@@ -42,6 +44,7 @@ from ..targets.hf import TargetOutput
 from .adaptive import DRAFT, PLAIN, AdaptiveDrafter
 from .decode import Finished, Sequence, Step, check_request
 from .load import LoadPolicy
+from .prefix import DEFAULT_BYTES, PrefixCache
 from .tree import DraftTree
 from .verify import SamplingParams, verify_sample
 
@@ -74,6 +77,7 @@ class StepReport:
     tokens: int = 0  # tokens emitted (prefills' first tokens included)
     prefills: int = 0  # requests whose prompt was read to its end (each emitted its first token)
     prefill_rows: int = 0  # prompt rows the forward read
+    prefix_rows: int = 0  # prompt rows of requests admitted this step taken from the prefix cache
     seconds: float = 0.0
     forward_seconds: float = 0.0  # of them, the target's forward
 
@@ -91,10 +95,13 @@ class BatchDecoder:
     (or `run`), stop one with `cancel`."""
 
     def __init__(self, pool, tokenizer, drafter: Drafter, eos_token_ids: list[int], speculate: str = "auto",
-                 prefill_chunk: int = PREFILL_CHUNK, sample_verifier=verify_sample, policy: LoadPolicy | None = None):
+                 prefill_chunk: int = PREFILL_CHUNK, sample_verifier=verify_sample, policy: LoadPolicy | None = None,
+                 prefix_cache_bytes: int = DEFAULT_BYTES):
         """`pool`: a `targets.pool.TargetPool` (acquire, release, forward, pool[slot], chunked_prefill).
         `drafter`: the engine's drafter (not an adaptive wrapper); each slot drafts with its own fork of it.
-        `prefill_chunk`: prompt rows a step reads, in all, while other sequences decode (module docstring)."""
+        `prefill_chunk`: prompt rows a step reads, in all, while other sequences decode (module docstring).
+        `prefix_cache_bytes`: the budget of the prefix cache's stored rows (0: none; only where prompts are read in
+        pieces)."""
         if speculate not in SPECULATE:
             raise EagleSpecError(f"speculate must be one of {', '.join(SPECULATE)}, got {speculate!r}")
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
@@ -103,6 +110,7 @@ class BatchDecoder:
         self.speculate = "never" if isinstance(drafter, VanillaDrafter) else speculate
         self.prefill_chunk, self.sample_verifier = prefill_chunk, sample_verifier
         self.chunked = bool(getattr(pool, "chunked_prefill", False))
+        self.prefixes = PrefixCache(prefix_cache_bytes) if self.chunked and prefix_cache_bytes > 0 else None
         settings = getattr(drafter, "settings", None)
         tree_rows = (settings.total_tokens - 1) if settings is not None else 1
         self.policy = policy or LoadPolicy(tree_rows=tree_rows)
@@ -154,21 +162,29 @@ class BatchDecoder:
         events: list[tuple[Hashable, Step | Finished]] = []
         report = StepReport()
         while self.waiting and self.pool.free:
-            self._admit()
+            report.prefix_rows += self._admit()
         if self.active or self.prefilling:
             self._decode(events, report)
         report.seconds = time.perf_counter() - t_step
         self.last_report = report
         return events
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
+        """Give the longest-waiting request a slot; returns its prompt rows taken from the prefix cache."""
         key, (prompt_ids, max_new_tokens, sampling, stop, arrived) = self.waiting.popitem(last=False)
         slot = self.pool.acquire()
         drafter = self.drafters[slot]
         drafter.reset()
         seq = Sequence(prompt_ids, max_new_tokens, sampling, self.tokenizer, stop, self.eos, drafter,
                        self.sample_verifier, self.pool[slot].weight_bytes())  # traffic as if it ran alone
-        self.prefilling[key] = _Active(key, slot, seq, drafter, time.perf_counter())
+        entry = self.prefilling[key] = _Active(key, slot, seq, drafter, time.perf_counter())
+        hit = self.prefixes.lookup(prompt_ids, drafter.needs_features) if self.prefixes is not None else None
+        if hit is not None:  # those rows as reading them would give them (spec/prefix.py)
+            self.pool[slot].load_rows(hit.keys, hit.values)
+            entry.read = hit.length
+            entry.pieces.append(TargetOutput(None, hit.features))
+            return hit.length
+        return 0
 
     def _prompt_pieces(self, decoding: bool) -> list[tuple[_Active, int]]:
         """This step's prompt pieces: (request, rows to read), first come first served within the step's budget."""
@@ -195,8 +211,13 @@ class BatchDecoder:
             e.pieces.append(TargetOutput(None, out.features))  # the features only: no head rows before the last
             return
         del self.prefilling[e.key]
-        # features [P, F] as one forward of the prompt gives them; the last piece's head
-        e.seq.start(TargetOutput.join(e.pieces + [out], heads="last"), time.perf_counter() - e.started)
+        read = TargetOutput.join(e.pieces + [out], heads="last")  # features [P, F] as one forward gives them
+        if self.prefixes is not None and (length := self.prefixes.blocks_to_store(e.seq.prompt_ids)):
+            target = self.pool[e.slot]
+            self.prefixes.store(e.seq.prompt_ids, *target.cached_rows(length),
+                                None if read.features is None else read.features[:length].clone(),
+                                keys_transposed=target.keys_transposed)
+        e.seq.start(read, time.perf_counter() - e.started)
         e.pieces = []
         report.prefills += 1
         self._emit(e, events, report)

@@ -269,6 +269,29 @@ class FastTarget(TargetModel):
             self.cache_len += m
         self._pending = 0
 
+    def cached_rows(self, length: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Copies of the first `length` committed rows of every layer's cache: (keys, values), per layer
+        [kv_heads, length, head_dim] ([kv_heads, head_dim, length] with `keys_transposed`)."""
+        if not 0 < length <= self.cache_len:
+            raise ValueError(f"cannot copy {length} rows of a cache of {self.cache_len} committed rows")
+        keys = [(k[..., :length] if self.keys_transposed else k[:, :length]).clone() for k in self.layer_keys]
+        return keys, [v[:, :length].clone() for v in self.layer_values]
+
+    @torch.inference_mode()
+    def load_rows(self, keys: list[Tensor], values: list[Tensor]) -> None:
+        """Make the cache hold exactly the rows given (`cached_rows`' layout, of a target of the same model and plan):
+        a prompt's prefix read before, whose rows this target would compute with the same bits."""
+        if self._pending:
+            raise RuntimeError("commit() the previous forward before loading rows")
+        length = values[0].shape[1]
+        if length > self.capacity:
+            self._grow(max(min(self.max_context, 2 * self.capacity), length))
+        for cache, rows in zip(self.layer_keys, keys):
+            (cache[..., :length] if self.keys_transposed else cache[:, :length]).copy_(rows)
+        for cache, rows in zip(self.layer_values, values):
+            cache[:, :length].copy_(rows)
+        self.cache_len = length
+
     def truncate(self, length: int) -> None:
         """Keep only the first `length` committed rows (a draft model dropping the drafted tokens the target
         rejected). Nothing is cleared: attention reads rows [0, cache_len + n) only, and the next forward writes
