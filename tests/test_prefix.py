@@ -127,3 +127,26 @@ def test_serve_takes_the_prefix_caches_budget():
 
     assert build_parser().parse_args(["serve"]).prefix_cache_mb == 256.0
     assert build_parser().parse_args(["serve", "--prefix-cache-mb", "0"]).prefix_cache_mb == 0.0
+
+
+@needs_kernels
+def test_the_batched_server_worker_forgets_the_prompts_between_steps_when_asked():
+    import time
+
+    from eaglespec.serve.batch_worker import BatchWorker
+    from eaglespec.serve.metrics import ServerMetrics
+
+    engine = make_engine("vanilla", "qwen2", torch.bfloat16)
+    worker = BatchWorker(engine, ServerMetrics("tiny"), max_batch=2)
+    prefixes = worker.batch.prefixes
+    prefixes.store(SHARED, *rows(2 * BLOCK), features=None)
+    worker.start()
+    try:
+        assert worker.reset_prefix_cache()
+        deadline = time.monotonic() + 10
+        while prefixes.stored:
+            assert time.monotonic() < deadline, "the worker did not clear its prefix cache"
+            time.sleep(0.01)
+        assert prefixes.bytes == 0 and prefixes.lookup(SHARED, needs_features=False) is None
+    finally:
+        worker.stop()

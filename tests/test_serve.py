@@ -398,6 +398,13 @@ def test_unknown_endpoint_and_method_use_error_shape(live):
     assert r.status_code == 405 and "error" in r.json()
 
 
+def test_reset_prefix_cache_needs_the_key_and_says_whether_there_is_a_cache(live):
+    assert live.post("/reset_prefix_cache", {}, key=None).status_code == 401
+    r = live.post("/reset_prefix_cache", {})
+    # (the tiny float32 target reads prompts whole: no prefix cache, spec/prefix.py)
+    assert r.status_code == 200 and r.json() == {"object": "prefix_cache_reset", "reset": False}
+
+
 # ---- metrics -------------------------------------------------------------------------------------------------
 def test_metrics_add_up(live, client):
     before = live.metrics()

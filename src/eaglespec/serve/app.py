@@ -373,6 +373,11 @@ def create_app(engine, config: ServerConfig | None = None, thread: GenerationThr
         body, content_type = server.metrics.render()
         return Response(body, media_type=content_type)
 
+    @app.post("/reset_prefix_cache", dependencies=auth)
+    async def reset_prefix_cache() -> dict[str, Any]:
+        """Forget the prompts read so far (benchmarks: so that a prompt sent again is read again)."""
+        return {"object": "prefix_cache_reset", "reset": server.worker.reset_prefix_cache()}
+
     @app.post(CHAT_PATH, dependencies=auth)
     async def chat_completions(request: Request) -> Response:
         return await server.handle(request, CHAT_PATH)

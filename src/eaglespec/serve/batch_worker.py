@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import threading
 import time
 
 from ..errors import EagleSpecError
@@ -40,6 +41,7 @@ class BatchWorker(Worker):
         self.max_batch = max_batch
         self.batch = engine.batch_decoder(max_batch, speculate, prefill_chunk, prefix_cache_bytes)
         self.jobs: dict[int, Progress] = {}  # the batch's requests by key
+        self._reset_prefixes = threading.Event()  # set by another thread; the loop clears the cache between steps
         self._ids = itertools.count()
 
     @property
@@ -52,6 +54,9 @@ class BatchWorker(Worker):
             try:
                 self._take_jobs()
                 self._stop_finished_jobs()
+                if self._reset_prefixes.is_set():  # (before the step that would look prompts up)
+                    self._reset_prefixes.clear()
+                    self.batch.prefixes.clear()
                 if self.batch.busy:
                     self._step()
             except Exception:  # noqa: BLE001 - the thread must survive anything
@@ -59,6 +64,12 @@ class BatchWorker(Worker):
                 self._fail_all(APIError(500, "Generation failed: internal error", type="server_error",
                                         code="internal_error"))
         self._fail_all(APIError(503, "The server is shutting down.", type="server_error", code="unavailable"))
+
+    def reset_prefix_cache(self) -> bool:
+        if self.batch.prefixes is None:
+            return False
+        self._reset_prefixes.set()
+        return True
 
     def _room(self) -> int:
         return len(self.batch.pool.free) - len(self.batch.waiting)

@@ -145,6 +145,11 @@ class Worker(ABC):
         self.thread = thread or GenerationThread()
         self._loop: Future | None = None  # the running `_run`
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prompts read so far (the batch decoder's prefix cache) before the next step; False where there
+        is no such cache."""
+        return False
+
     @abstractmethod
     def _run(self) -> None:
         """The thread: take jobs, generate, until `_stopping` is set; never raise."""

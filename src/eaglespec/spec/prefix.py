@@ -126,6 +126,14 @@ class PrefixCache:
         for h in hashes:  # the newest entry holding a prefix answers for it
             self.prefixes[h] = key
 
+    def clear(self) -> int:
+        """Forget every stored prompt; returns the rows freed."""
+        freed = sum(len(entry.tokens) for entry in self.stored.values())
+        self.stored.clear()
+        self.prefixes.clear()
+        self.bytes = 0
+        return freed
+
     def _drop(self, key: int) -> None:
         entry = self.stored.pop(key)
         self.bytes -= entry.nbytes
