@@ -127,11 +127,12 @@ class PrefixCache:
             self.prefixes[h] = key
 
     def clear(self) -> int:
-        """Forget every stored prompt; returns the rows freed."""
+        """Forget every stored prompt; returns the rows freed. (The entries go last: a reader on another thread that
+        sees none sees the rest cleared too.)"""
         freed = sum(len(entry.tokens) for entry in self.stored.values())
-        self.stored.clear()
-        self.prefixes.clear()
         self.bytes = 0
+        self.prefixes = {}
+        self.stored = OrderedDict()
         return freed
 
     def _drop(self, key: int) -> None:
