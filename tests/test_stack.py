@@ -183,3 +183,42 @@ def test_bad_arguments_are_a_clear_error(model, monkeypatch):
         torch.ops.eaglespec.decoder_stack(x, cos, sin, s.norms, s.packed, s.outs, s.kinds, s.biases,
                                           [2] + s.parts[1:], stacked.layer_keys, stacked.layer_values, [0], [n],
                                           [None], *s.heads[:2], s.eps, [])
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """bf16(bf16(g / (1 + e^-g)) * up), each step in float64 then rounded as the kernels round it."""
+    inter = gate_up.shape[1] // 2
+    g, up = gate_up[:, :inter].double(), gate_up[:, inter:].float()
+    act = (g / (1 + torch.exp(-g))).float().bfloat16().float()
+    return (act * up).bfloat16()
+
+
+def test_the_stack_s_silu_is_the_formula_and_each_value_s_own():
+    """The SwiGLU activation between the gate/up and down products (a vector exp, ~1 ulp): the formula's bfloat16
+    value for all but a few values a float32 ulp of e^-g moves across a rounding boundary, those one bfloat16 step
+    off; extreme gates (below e^88's range, infinities, NaN) as the formula's limits; and a value's bits the same
+    wherever it lies (row, lane, a row's tail past the last whole vector)."""
+    bf16gemm.load()
+    torch.manual_seed(0)
+    inter = 8960 + 13  # (a tail of 13 values past the last whole vector of 16 or 8)
+    gate_up = torch.cat([torch.randn(6, inter) * 4, torch.randn(6, inter)], 1).bfloat16()
+    got = torch.ops.eaglespec.silu_mul(gate_up)
+    want = silu_mul_reference(gate_up)
+    off = got != want
+    assert off.float().mean() < 1e-3  # the vector exp's last bit, rarely past a bfloat16 rounding boundary
+    steps = (got[off].view(torch.int16).int() - want[off].view(torch.int16).int()).abs()
+    assert steps.numel() == 0 or steps.max() == 1
+    # each value's bits are its own: rows alone, and a value moved to another lane and row
+    for r in range(6):
+        assert torch.equal(torch.ops.eaglespec.silu_mul(gate_up[r:r + 1]), got[r:r + 1])
+    shifted = torch.cat([gate_up[:, 5:inter], gate_up[:, inter + 5:]], 1)
+    assert torch.equal(torch.ops.eaglespec.silu_mul(shifted), got[:, 5:])
+    # the formula's limits
+    gates = torch.tensor([-1000.0, -100.0, -88.5, -87.0, -20.0, 0.0, 20.0, 100.0, float("inf"), float("-inf"),
+                          float("nan")])
+    y = torch.ops.eaglespec.silu_mul(torch.cat([gates, torch.full_like(gates, 3.0)])[None].bfloat16())[0].float()
+    assert (y[:4].abs() < 1e-30).all() and y[4].item() == pytest.approx(-20 * 3 / (1 + 4.85e8), rel=0.01)
+    assert y[5] == 0 and y[6] == 60 and y[7] == 300 and y[8] == float("inf") and y[10].isnan()
+    assert y[9] == float("-inf")  # (e^-g clamped to e^88: -inf / e^88, where the formula's -inf / inf is NaN)
+    with pytest.raises(RuntimeError, match=r"\[N, 2 I\] bfloat16"):
+        torch.ops.eaglespec.silu_mul(torch.randn(2, 7).bfloat16())

@@ -85,7 +85,8 @@ COMMON_SOURCES = tuple(CSRC / "common" / f"{name}.h" for name in (
     "shared", "ops", "bf16_gemm", "tree_attention", "commit_rows", "argmax_rows", "topk_rows", "screened_argmax",
     "q4_gemm", "q6_gemm", "decoder_stack"))
 # in each ISA's folder
-MICRO_KERNELS = ("bf16_gemm", "tree_attention", "argmax_rows", "topk_rows", "screened_argmax", "q4_gemm", "q6_gemm")
+MICRO_KERNELS = ("bf16_gemm", "tree_attention", "activation", "argmax_rows", "topk_rows", "screened_argmax", "q4_gemm",
+                 "q6_gemm")
 
 
 def _sources(folder: str) -> tuple[Path, ...]:

@@ -11,5 +11,6 @@
 #include "../avx512/screened_argmax.h"
 #include "../avx512/topk_rows.h"
 #include "../avx512/tree_attention.h"
+#include "../avx512/activation.h"
 
 #include "../common/ops.h"  // (after the micro-kernels: it calls them)

@@ -8,5 +8,6 @@
 #include "screened_argmax.h"
 #include "topk_rows.h"
 #include "tree_attention.h"
+#include "activation.h"
 
 #include "../common/ops.h"  // (after the micro-kernels: it calls them)

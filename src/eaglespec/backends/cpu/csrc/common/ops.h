@@ -35,6 +35,7 @@ TORCH_LIBRARY(eaglespec, m) {
   m.def("q4_unpack(Tensor packed, int n, int k) -> Tensor");
   m.def("q6_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("q6_unpack(Tensor packed, int n, int k) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("decoder_stack(Tensor x, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] packed, int[] outs, int[] kinds, "
         "Tensor?[] biases, int[] parts, Tensor(a!)[] keys_t, Tensor(b!)[] values, int[] cached, int[] sizes, "
         "Tensor?[] step_masks, "
@@ -55,5 +56,6 @@ TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
   m.impl("q4_unpack", eaglespec::q4::q4_unpack);
   m.impl("q6_linear", eaglespec::q6::q6_linear);
   m.impl("q6_unpack", eaglespec::q6::q6_unpack);
+  m.impl("silu_mul", eaglespec::stack::silu_mul);
   m.impl("decoder_stack", eaglespec::stack::decoder_stack);
 }
