@@ -249,7 +249,8 @@ def _rows(folder: Path) -> list[dict]:
 def test_resume_keeps_the_complete_prompts_and_runs_the_rest(run, tmp_path):
     """A run stopped part-way continues with --resume: prompts with every method recorded are kept (not run again),
     a prompt cut off in the middle runs again whole, a cut-off last line is dropped, turn 2 still carries turn 1's
-    recorded answer, and run.json lists both segments. Another run's settings or an empty folder are refused."""
+    recorded answer, and run.json lists both segments. Another run's settings, an empty folder, or a run made by other
+    code (git commit, package versions) or on another machine (CPU, threads) are refused."""
     _, methods, _ = run
     vanilla, eagle2 = methods[0], next(m for m in methods if m.name == "eagle2")
     config = BenchConfig(dataset="tiny", max_new_tokens=MAX_NEW, repeats=1, warmup=1)
@@ -280,6 +281,17 @@ def test_resume_keeps_the_complete_prompts_and_runs_the_rest(run, tmp_path):
                       repeats=1, warmup=1), out, progress=False, resume=True)
     with pytest.raises(EagleSpecError, match="no bench run"):
         run_benchmark(again, QUESTIONS, encode, decode, config, tmp_path / "empty", progress=False, resume=True)
+    # made by other code or on another machine: refused, the folder left as it was
+    for key, value in (("git_commit", "0000000"), ("cpu", "another CPU"), ("torch_threads", 64)):
+        other = dict(info, machine=dict(info["machine"], **{key: value}))
+        (out / RUN_INFO).write_text(json.dumps(other))
+        with pytest.raises(EagleSpecError, match=f"other code or on another machine \\({key} "):
+            run_benchmark(again, QUESTIONS, encode, decode, config, out, progress=False, resume=True)
+    other = dict(info, machine=dict(info["machine"], versions=dict(info["machine"]["versions"], torch="1.0")))
+    (out / RUN_INFO).write_text(json.dumps(other))
+    with pytest.raises(EagleSpecError, match="torch '1.0' -> "):
+        run_benchmark(again, QUESTIONS, encode, decode, config, out, progress=False, resume=True)
+    assert _rows(out) == rows
 
 
 def test_speculative_peers_are_checked_against_their_own_plain_decoding():

@@ -48,8 +48,8 @@ def register(subparsers, model_options, sampling_options) -> None:
     g.add_argument("--out", default=None, help="output folder (default bench-DATASET-TIME)")
     g.add_argument("--force", action="store_true", help="overwrite an existing results.jsonl in --out")
     g.add_argument("--resume", action="store_true",
-                   help="continue the interrupted run in --out (same command): prompts with every method recorded "
-                        "are kept, the rest run; for runs of hours that may stop")
+                   help="continue the interrupted run in --out (same command, code and kind of machine): prompts "
+                        "with every method recorded are kept, the rest run; for runs of hours that may stop")
     g.add_argument("--reference", default=None, metavar="DIR",
                    help="take vanilla's answers and timings from an earlier bench folder with the same prompts and "
                         "target settings instead of running vanilla again (equality is still checked; speedups then "

@@ -5,7 +5,8 @@ method gets one untimed warm-up generation first. Turn 2 and later carry the mod
 the chat history: vanilla's answer, so that every method sees the very same prompt tokens.
 
 A run of hours can stop and go on (`resume`): the prompts all of whose methods are recorded are kept, any other
-rows are dropped, and the rest run, so that a prompt's methods are always timed side by side in one process.
+rows are dropped, and the rest run, so that a prompt's methods are always timed side by side in one process. Only
+the same code on the same kind of machine continues a run (git commit, package versions, CPU, threads).
 `run.json` lists the segments (when each started, on what machine).
 """
 
@@ -90,9 +91,11 @@ def load_reference(folder: str | Path, config: BenchConfig) -> dict[tuple, dict]
     return {(r["question_id"], r["turn"]): r for r in rows if r.get("method") == "vanilla"}
 
 
-# What an interrupted run and the run that resumes it must share (run.json keys).
+# What an interrupted run and the run that resumes it must share (run.json keys; and of its "machine": these, and the
+# package versions it lists, so that no run's figures or answers mix two versions of the code or two machines).
 RESUME_KEYS = ("dataset", "questions", "prompts", "max_new_tokens", "sampling", "repeats", "system", "settings",
                "methods", "reference")
+RESUME_MACHINE_KEYS = ("git_commit", "cpu", "cpu_count", "torch_threads")
 
 
 def _resumable(out_dir: Path, info: dict, methods: list[BenchMethod]) -> tuple[list[dict], list[dict]]:
@@ -107,6 +110,14 @@ def _resumable(out_dir: Path, info: dict, methods: list[BenchMethod]) -> tuple[l
     if differ:
         raise EagleSpecError(f"--resume: the run in '{out_dir}' was started with other settings ({', '.join(differ)});"
                              " resume it with its own command (run.json) or pick another --out")
+    then, now = before.get("machine") or {}, info["machine"]
+    changed = [f"{k} {then.get(k)!r} -> {now.get(k)!r}" for k in RESUME_MACHINE_KEYS if then.get(k) != now.get(k)]
+    changed += [f"{k} {v!r} -> {now['versions'].get(k)!r}" for k, v in (then.get("versions") or {}).items()
+                if now["versions"].get(k) != v]
+    if changed:
+        raise EagleSpecError(f"--resume: the run in '{out_dir}' was made with other code or on another machine "
+                             f"({'; '.join(changed)}): its figures would mix the two; continue it where it was made "
+                             "(e.g. `git checkout` its commit) or start a new run")
     rows = []
     for line in lines:
         try:
