@@ -10,13 +10,14 @@ max(--requests, c x --requests-per-stream) requests, repeating the prompts in or
 request per stream the batch's ramp-up and drain weigh less against its steady state); the turns
 alternate their order (plain, spec; spec, plain; ...), so that a drift of the machine's speed during the run weighs
 on each configuration alike. It reports aggregate tokens/s (all tokens / wall time, over the rounds; each round's
-too), p50 / p95 request latency and time to first token, and tau (from the servers' counters). Every answer is
-compared with the answer to the same prompt of one request at a time on the plain server (concurrency 1, first
-round), which is plain decoding: they must be equal token for token (with --distinct-prompts, a prompt first sent at a
-higher level is compared with the first answer to it instead). Before each level the servers forget the prompts
-they read (`POST /reset_prefix_cache`), so the prefix cache reuses only what the level's own prompts share (the chat
-template's system prompt); with --distinct-prompts no prompt repeats within a level either (MT-bench's 80 first turns
-at most), so no answer's prompt is read from the cache whole.
+too), p50 / p95 request latency and time to first token, tau (from the servers' counters), and the share of the
+machine's CPU time the load generator (this process, on the same cores) and the server used (from /proc). Every
+answer is compared with the answer to the same prompt of one request at a time on the plain server (concurrency 1,
+first round), which is plain decoding: they must be equal token for token (with --distinct-prompts, a prompt first
+sent at a higher level is compared with the first answer to it instead). Before each level the servers forget the
+prompts they read (`POST /reset_prefix_cache`), so the prefix cache reuses only what the level's own prompts share
+(the chat template's system prompt); with --distinct-prompts no prompt repeats within a level either (MT-bench's 80
+first turns at most), so no answer's prompt is read from the cache whole.
 The checks printed at the end are the ones batched serving promises: at 8 concurrent streams at least 4x the
 single-stream plain throughput; speculation never below plain batched decoding at any concurrency (within
 --tolerance); every greedy answer equal to its single-request answer. --json writes everything.
@@ -39,6 +40,15 @@ from load_test import MAX_TOKENS, Outcome, launch, one_client, percentile, scrap
 
 from eaglespec.bench.datasets import load_questions, select
 from eaglespec.bench.machine import describe_machine
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system) a process has used so far, from /proc (None where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
 
 
 def request_plan(prompts: list[str], clients: int, per_stream: int) -> list[str]:
@@ -128,10 +138,15 @@ def main(argv: list[str] | None = None) -> int:
                     url = servers[name][1]
                     sync.post(url + "/reset_prefix_cache").raise_for_status()
                     before = scrape(sync, url)
+                    server_cpu, client_cpu = cpu_seconds(servers[name][0].pid), time.process_time()
                     plan = (prompts[: max(args.requests, clients * args.requests_per_stream)] if args.distinct_prompts
                             else request_plan(prompts, clients, args.requests_per_stream))
                     outcomes, wall = asyncio.run(closed_loop(url, api_key, served[name], plan, clients,
                                                              args.max_tokens))
+                    cpu = {"client": time.process_time() - client_cpu, "server": None}
+                    server_after = cpu_seconds(servers[name][0].pid)
+                    if server_cpu is not None and server_after is not None:
+                        cpu["server"] = server_after - server_cpu
                     after = scrape(sync, url)
                     failed = [o for o in outcomes if o.error or not o.done]
                     if failed:
@@ -142,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                     counters = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
                     equal = all(o.text == first_answer.setdefault(o.prompt, o.text) for o in outcomes)
                     runs[(name, clients)].append({"outcomes": outcomes, "wall": wall, "counters": counters,
-                                                  "equal": equal})
+                                                  "equal": equal, "cpu": cpu})
                     tokens = counters.get("eaglespec:generation_tokens_total", 0.0)
                     print(json.dumps({"round": r + 1, "config": name, "concurrency": clients,
                                       "tokens_per_s": round(tokens / wall, 1)}), file=sys.stderr)
@@ -154,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    rows = []
+    rows, cores = [], os.cpu_count() or 1
     for (name, clients), done in runs.items():
         d: dict[str, float] = {}
         for run in done:
@@ -182,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_rows_from_cache": int(d.get("eaglespec:prefix_cache_rows_total", 0.0)),
             "drafted_share": round(drafted / max(sequences, 1.0), 2),
             "equal_to_single": all(run["equal"] for run in done),
+            # the machine's CPU time the load generator (this process) and the server used over the level's wall time
+            "load_generator_cpu_share": round(sum(run["cpu"]["client"] for run in done) / (wall * cores), 3),
+            "server_cpu_share": (None if any(run["cpu"]["server"] is None for run in done)
+                                 else round(sum(run["cpu"]["server"] for run in done) / (wall * cores), 3)),
         })
 
     base = next(r["tokens_per_s"] for r in rows if r["concurrency"] == min(levels))
@@ -205,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['config']} | {r['concurrency']} | {r['tokens_per_s']} | {r['x_single_plain']} | "
               f"{r['latency_p50_s']} | {r['latency_p95_s']} | {r['ttft_p50_s']} | {r['tau']} | {r['mean_batch']} | "
               f"{r['drafted_share']} | {'yes' if r['equal_to_single'] else 'NO'} |")
+    print("share of the machine's CPU time used by the load generator / the server, by level: " + "; ".join(
+        f"{r['config']} {r['concurrency']}: {r['load_generator_cpu_share']:.0%} / "
+        + ("?" if r["server_cpu_share"] is None else f"{r['server_cpu_share']:.0%}") for r in rows))
     for name, ok in checks.items():
         print(f"[{'ok' if ok else 'FAILED'}] {name}")
     if args.json:
