@@ -218,6 +218,10 @@ def test_reference_reuses_vanillas_rows_and_still_checks_equality(run, tmp_path)
         run_benchmark([vanilla, eagle2], QUESTIONS, encode, decode,
                       BenchConfig(dataset="tiny", max_new_tokens=MAX_NEW, settings={"device": "cuda:0"}),
                       tmp_path / "v", progress=False, reference=out)
+    with pytest.raises(EagleSpecError, match="other settings: activations"):  # (without it: bfloat16)
+        run_benchmark([vanilla, eagle2], QUESTIONS, encode, decode,
+                      BenchConfig(dataset="tiny", max_new_tokens=MAX_NEW, settings={"activations": "int8"}),
+                      tmp_path / "w", progress=False, reference=out)
     extra = [*QUESTIONS, Question(9, "math", ("1 + 1",))]
     with pytest.raises(EagleSpecError, match="no vanilla answer for question 9 turn 1"):
         run_benchmark([vanilla, eagle2], extra, encode, decode, config, tmp_path / "y", progress=False, reference=out)

@@ -57,6 +57,7 @@ def test_raw_prompt_generates(capsys, model_dir):
     (["--head", "/no/such/head"], "not a head folder"),
     (["--compile", "--quantize", "int8"], "not --quantize"),
     (["--backend", "hf", "--quantize", "int8"], "--quantize int8 needs eaglespec's fast path: drop --backend hf"),
+    (["--backend", "hf", "--activations", "int8"], "--activations int8 needs eaglespec's fast path: drop --backend"),
     (["--backend", "hf", "--compile", "--exact"], "--exact and --compile need eaglespec's fast path"),
     (["--draft-model", "smollm2-135m"], "sps or staged: add one or drop --draft-model"),
     (["--method", "sps"], "--method sps needs --draft-model"),
@@ -110,7 +111,7 @@ def test_separate_tree_options_point_at_tree(capsys, command, option):
 EVERYDAY = ["--model", "--head", "--method", "--draft-model", "--tree", "--max-new-tokens", "--temperature",
             "--top-p", "--top-k", "--seed", "--stop", "--system"]
 ENGINE = ["--device", "--dtype", "--threads", "--backend", "--exact, --no-exact", "--compile", "--quantize",
-          "--ngram", "--extend", "--draft-vocab"]
+          "--activations", "--ngram", "--extend", "--draft-vocab"]
 
 
 def _help_sections(capsys, command: str) -> dict[str, list[str]]:

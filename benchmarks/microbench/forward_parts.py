@@ -2,7 +2,7 @@
 rest, for 1 and 4 tokens (a plain step and a 4-token verify pass), interleaved in one process.
 
     python benchmarks/microbench/forward_parts.py [--model smollm2-135m] [--threads 2] [--context 300] [--rows 1,4]
-        [--repeats 12] [--greedy] [--features eagle3]
+        [--repeats 12] [--greedy] [--features eagle3] [--activations int8]
 
 "products" runs the target's own packed products (the same weights, in the step's order: bfloat16 or, on AVX2, exact
 4-bit blocks, eaglespec.backends.cpu.q4, or a GGUF's 4- and 6-bit blocks for a model converted from one) on random
@@ -33,10 +33,13 @@ p.add_argument("--context", type=int, default=300)
 p.add_argument("--rows", default="1,4")
 p.add_argument("--repeats", type=int, default=12)
 p.add_argument("--greedy", action="store_true")
+p.add_argument("--activations", choices=["bfloat16", "int8"], default="bfloat16",
+               help="int8: the 4-bit and 6-bit block products with int8 inputs (FastTarget's `activations`)")
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 model, tokenizer = load_target(args.model, dtype="bfloat16")
-target = FastTarget(model, None if args.features == "none" else args.features, compile=True)
+target = FastTarget(model, None if args.features == "none" else args.features, compile=True,
+                    activations=args.activations)
 assert target.bf16_gemm, "needs the bfloat16 kernels (AVX-512 BF16 or AVX2 + FMA, a C++ compiler)"
 target.warm_up()
 d, (H, _, hd) = target.hidden_size, (target.n_heads, target.n_kv, target.head_dim)

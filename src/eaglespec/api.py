@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .backends.cpu import kernels as cpu_kernels
-from .backends.cpu.apply import eagle_drafter
+from .backends.cpu.apply import check_activations, eagle_drafter
 from .backends.cpu.quant import check_mode
 from .drafters import (
     DRAFT_MODEL_METHODS,
@@ -100,6 +100,7 @@ class Engine:
         compile: bool = False,
         ngram: str | Path | None = "auto",
         extend: int | None = None,
+        activations: str | None = None,
     ):
         """`tree`: "auto" (EAGLE-2 / chain: this machine's cached calibration, else a default for its CPU class,
         refined while generating by the adaptive policy), "calibrate" (measure now, cache when undisturbed), explicit
@@ -120,7 +121,10 @@ class Engine:
         or "none": the context's n-grams alone (`models.resolve_ngram`).
         `extend` (EAGLE heads): up to this many stage-2 guesses (the context's n-grams, then `ngram`'s) added to each
         draft tree, as a chain from the root through the head's nodes they match, for the target to verify
-        (eaglespec.drafters.eagle; 0: none; None: the registry model's default, 8 for qwen2.5-coder-1.5b, else 0)."""
+        (eaglespec.drafters.eagle; 0: none; None: the registry model's default, 8 for qwen2.5-coder-1.5b, else 0).
+        `activations`: "bfloat16" (None, the default) or "int8": the target's 4-bit and 6-bit block products (a GGUF
+        model's weights) take int8 inputs, as llama.cpp's do (a slightly different model, decoded losslessly;
+        eaglespec.backends.cpu.apply.check_activations)."""
         if method not in METHODS:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
         if method in DRAFT_MODEL_METHODS and not draft_model:
@@ -152,13 +156,14 @@ class Engine:
             extend = 0
         self.extend = default_extend(model) if extend is None else extend
         self._setup(hf_model, tokenizer, head_module, method, tree, head_name=str(head), backend=backend,
-                    adapt=adapt, quantize=quantize, exact=exact, compile=compile)
+                    adapt=adapt, quantize=quantize, exact=exact, compile=compile, activations=activations)
 
     @classmethod
     def from_model(cls, hf_model, tokenizer, head: DraftHead | None = None, method: str = "eagle2",
                    tree: TreeSettings | str | None = None, draft_hf_model=None, backend: str = "auto",
                    adapt: bool = True, quantize: str | None = None, exact: bool | None = None,
-                   compile: bool = False, ngram: str | Path | None = None, extend: int = 0) -> "Engine":
+                   compile: bool = False, ngram: str | Path | None = None, extend: int = 0,
+                   activations: str | None = None) -> "Engine":
         """Wrap an already loaded transformers model (and optionally a head, or a draft model for sps).
         `tree` as for `Engine()`, but None (the fixed defaults) by default. A head on another device than the model
         is moved to the model's (in place, as `nn.Module.to` does)."""
@@ -173,18 +178,19 @@ class Engine:
         engine.draft_hf_model = draft_hf_model
         engine.ngram, engine.extend = resolve_ngram(ngram, method, None), check_extend(extend, method)
         engine._setup(hf_model, tokenizer, head if method in HEAD_METHODS else None, method, tree, "the head",
-                      backend, adapt, quantize, exact, compile)
+                      backend, adapt, quantize, exact, compile, activations)
         return engine
 
     def _setup(self, hf_model, tokenizer, head: DraftHead | None, method: str, tree: TreeSettings | str | None,
                head_name: str, backend: str = "auto", adapt: bool = True, quantize: str | None = None,
-               exact: bool | None = None, compile: bool = False) -> None:
+               exact: bool | None = None, compile: bool = False, activations: str | None = None) -> None:
         if isinstance(tree, str) and tree not in ("auto", "calibrate"):
             raise EagleSpecError(f"tree must be 'auto', 'calibrate' or explicit settings, got '{tree}'")
         quantize = check_mode(quantize, next(hf_model.parameters()).device)  # "none" -> None
+        activations = check_activations(activations)  # ("auto" is a draft model's)
         feature_kind = None if head is None else ("eagle3" if head.config.kind == "eagle3" else "final")
         self.target = make_target(hf_model, feature_kind=feature_kind, backend=backend, quantize=quantize,
-                                  exact=exact, compile=compile)
+                                  exact=exact, compile=compile, activations=activations)
         if head is not None:
             head = head.to(self.target.device)  # a head built or loaded elsewhere drafts where the target runs
         self.tokenizer = tokenizer
@@ -236,8 +242,9 @@ class Engine:
             from .drafters.staged import StagedDrafter
 
             # Not exact: a draft's bits change which tokens are proposed, never the output (steps on eaglespec's
-            # kernels are row-invariant anyway, and then staged drafts are sps's drafts)
-            draft_target = make_target(self.draft_hf_model, feature_kind=None, exact=False)
+            # kernels are row-invariant anyway, and then staged drafts are sps's drafts); for the same reason its
+            # block products take int8 inputs wherever they run (the faster arithmetic, whatever the target's)
+            draft_target = make_target(self.draft_hf_model, feature_kind=None, exact=False, activations="auto")
             if method == "sps":
                 return DraftModelDrafter(draft_target, tree, dynamic=dynamic)
             return StagedDrafter(draft_target, tree, stage2=self._stage2(), dynamic=dynamic)

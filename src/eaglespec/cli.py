@@ -94,6 +94,9 @@ def model_options(p: argparse.ArgumentParser) -> None:
     e.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                    help="int8 / int4 weight-only target on a CPU (a slightly different model, decoded "
                         "losslessly)")
+    e.add_argument("--activations", default="bfloat16", choices=["bfloat16", "int8"],
+                   help="int8: a GGUF model's block products take int8 inputs, as llama.cpp's (faster; a "
+                        "slightly different model)")
     e.add_argument("--ngram", default="auto", metavar="FILE",
                    help="stage-2 n-gram model for staged or --extend (auto: the draft model's; none)")
     e.add_argument("--extend", type=int, default=None, metavar="N",
@@ -157,6 +160,7 @@ def check_engine_options(args: argparse.Namespace) -> None:
         raise EagleSpecError(CONFLICT)
     if getattr(args, "backend", "auto") == "hf":
         fast_only = ([f"--quantize {quantize}"] * (quantize != "none")
+                     + ["--activations int8"] * (getattr(args, "activations", "bfloat16") == "int8")
                      + ["--exact"] * bool(getattr(args, "exact", None))
                      + ["--compile"] * bool(getattr(args, "compile", False)))
         if fast_only:
@@ -255,6 +259,7 @@ def build_engine(args: argparse.Namespace):
     engine = Engine(model=args.model, head=args.head, method=args.method, device=args.device, dtype=args.dtype,
                     tree=tree_from_args(args), draft_model=args.draft_model, backend=args.backend,
                     draft_vocab=args.draft_vocab, quantize=args.quantize, exact=args.exact, compile=args.compile,
+                    activations=args.activations,
                     ngram=args.ngram, extend=args.extend)
     if engine.notice:
         print(f"note: {engine.notice}", file=sys.stderr)

@@ -184,6 +184,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         threads=torch.get_num_threads(), eos_ids=eos_ids_of(model, tokenizer),
                         backend=getattr(args, "backend", "auto"), draft_vocab=args.draft_vocab,
                         quantize=None if args.quantize == "none" else args.quantize, exact=args.exact,
+                        activations=args.activations,
                         compile=args.compile, adapt=args.adapt, ngram=getattr(args, "ngram", None),
                         extend=extend,
                         draft_model_name=args.draft_model, progress=not args.no_progress,
@@ -215,6 +216,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         settings={"model": args.model, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                   "threads": torch.get_num_threads(),
                   "backend": getattr(args, "backend", "auto"), "quantize": args.quantize, "exact": args.exact,
+                  "activations": args.activations,
                   "compile": args.compile, "adapt": args.adapt,
                   "tree": tree if isinstance(tree, str) else {"total_tokens": tree.total_tokens,
                                                               "depth": tree.depth, "top_k": tree.top_k},
@@ -234,7 +236,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"bench: {len(questions)} questions, methods {', '.join(m.name for m in methods)} -> {out}",
           file=sys.stderr)
     print(f"bench: device {device}, dtype {config.settings['dtype']}, {torch.get_num_threads()} torch threads, "
-          f"backend {config.settings['backend']}, quantize {args.quantize}, compile {args.compile}, bfloat16 kernel "
+          f"backend {config.settings['backend']}, quantize {args.quantize}, activations {args.activations}, "
+          f"compile {args.compile}, bfloat16 kernel "
           f"{config.settings['bf16_kernel'] or '-'}, layer matrices as exact 4-bit blocks "
           f"{config.settings['q4_matrices']}, as 6-bit codes {config.settings['q6_matrices']} (our loop; peers run "
           "their own weights)",

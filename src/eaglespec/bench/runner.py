@@ -67,8 +67,8 @@ def _timed(method: BenchMethod, ids: list[int], config: BenchConfig, seed: int |
 
 # Run settings that must be the same for a reused vanilla baseline (`--reference`) to describe the same prompts.
 REFERENCE_KEYS = ("dataset", "max_new_tokens", "sampling", "system")
-REFERENCE_SETTINGS = ("model", "device", "dtype", "backend", "quantize")
-SETTING_DEFAULTS = {"device": "cpu"}  # what runs recorded before the setting existed used
+REFERENCE_SETTINGS = ("model", "device", "dtype", "backend", "quantize", "activations")
+SETTING_DEFAULTS = {"device": "cpu", "activations": "bfloat16"}  # what runs recorded before the setting existed used
 
 
 def load_reference(folder: str | Path, config: BenchConfig) -> dict[tuple, dict]:

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..backends.cpu.apply import check_quantize, plan_target
+from ..backends.cpu.apply import check_activations, check_quantize, plan_target
 from ..errors import EagleSpecError
 from . import source
 from .hf import TargetModel, TargetOutput
@@ -97,7 +97,8 @@ class FastTarget(TargetModel):
 
     def __init__(self, model, feature_kind: str | None = "final", initial_capacity: int = 1024,
                  quantize: str | None = None, pack: bool | None = None, row_invariant: bool | None = None,
-                 attention_dtype: torch.dtype | None = None, compile: bool = False, kernels: bool | None = None):
+                 attention_dtype: torch.dtype | None = None, compile: bool = False, kernels: bool | None = None,
+                 activations: str | None = None):
         """`quantize`: None (the model's own weights), "int8" or "int4" weight-only (see eaglespec.backends.cpu.quant).
         `pack`: weights pre-packed for oneDNN (eaglespec.backends.cpu.packed); None = wherever available.
         `row_invariant`: decode steps attend row by row (module docstring); None = when quantized.
@@ -108,7 +109,11 @@ class FastTarget(TargetModel):
         compiling): there only a draft head's steps are compiled (backends.cpu.apply.eagle_drafter).
         `kernels`: products, decode-step attention and greedy LM head through eaglespec's CPU kernels (bfloat16
         weights on a CPU with AVX-512 BF16 or AVX2 + FMA, `bf16gemm.available`), eager or compiled; every row then
-        gets the same bits whatever else is in the step, so verify passes are exact. None = wherever available."""
+        gets the same bits whatever else is in the step, so verify passes are exact. None = wherever available.
+        `activations`: "bfloat16" (None) or "int8": the layers' 4-bit and 6-bit block products (a GGUF model's
+        weights) quantize their inputs to int8 per block of 32 and multiply in integers, as llama.cpp does
+        (backends.cpu.apply.check_activations); other products keep bfloat16 inputs. "auto": int8 where those
+        products run (a draft model's default)."""
         super().__init__(model, feature_kind)
         c = self.config
         self.n_heads = c.num_attention_heads
@@ -117,7 +122,7 @@ class FastTarget(TargetModel):
         self.eps = float(c.rms_norm_eps)
         # what the products, the decode-step attention and the LM head run on: the CPU backend decides (its apply.py)
         self.kernels = plan_target(self.dtype, self.device, self.head_dim, quantize, pack, row_invariant,
-                                   attention_dtype, compile, kernels)
+                                   attention_dtype, compile, kernels, activations)
         k = self.kernels
         self.quantize, self.compiled, self.bf16_gemm, self.pack = k.quantize, k.compiled, k.bf16_gemm, k.pack
         self.row_invariant, self.attention_dtype = k.row_invariant, k.attention_dtype
@@ -150,6 +155,10 @@ class FastTarget(TargetModel):
                 source.release(model, layer)
         self.layers, self.logits_head, self.greedy_head, self.q4_matrices, self.q6_matrices = built[1][key]
         k.q4_matrices, k.q6_matrices = self.q4_matrices, self.q6_matrices  # layer matrices read as exact blocks, codes
+        self.activations = "int8" if k.int8_inputs and self.q4_matrices + self.q6_matrices else "bfloat16"
+        if activations == "int8" and not self.q4_matrices + self.q6_matrices:
+            raise EagleSpecError("--activations int8 applies to weights stored as 4-bit blocks or 6-bit codes (a "
+                                 "GGUF model's Q4_K, Q4_1, Q6_K, Q5_0 matrices); this model has none: drop it")
         self.final_norm = self.decoder.norm.weight.detach()
         self._weight_bytes: int | None = None  # weight_bytes(), counted once
         heads = (self.n_heads, self.n_kv, self.head_dim)
@@ -190,7 +199,7 @@ class FastTarget(TargetModel):
         not run through the compiled stack), its own KV cache of `initial_capacity` rows."""
         return FastTarget(self.model, self.feature_kind, initial_capacity, quantize=self.quantize, pack=self.pack,
                           row_invariant=self.row_invariant, attention_dtype=self.attention_dtype,
-                          kernels=self.bf16_gemm)
+                          kernels=self.bf16_gemm, activations=self.activations)
 
     def backend_signature(self) -> str:
         return self.kernels.signature()
@@ -505,18 +514,22 @@ class FastTarget(TargetModel):
 
 
 def make_target(model, feature_kind: str | None = "final", backend: str = "auto",
-                quantize: str | None = None, exact: bool | None = None, compile: bool = False) -> TargetModel:
+                quantize: str | None = None, exact: bool | None = None, compile: bool = False,
+                activations: str | None = None) -> TargetModel:
     """`backend`: "auto" (fast path when the architecture is supported), "fast" (required) or "hf".
     `quantize` ("int8" / "int4" weight-only, CPU) needs the fast path.
     `exact`: every verified row bit-identical to the one-token step that would compute it, so greedy speculative
     output equals plain decoding's (fast path only). On a CPU the fast path is exact through eaglespec's kernels
     where they run (bfloat16 on AVX-512 BF16 or AVX2 + FMA: no cost) and otherwise attends row by row (slower); None
     (the default) = exact wherever the fast path runs on a CPU; False = batched attention, as on a GPU.
-    `compile`: decode steps through torch.compile (fast path only; compiles here, tens of seconds)."""
+    `compile`: decode steps through torch.compile (fast path only; compiles here, tens of seconds).
+    `activations`: "bfloat16" (None), "int8" (fast path only) or "auto" (FastTarget's)."""
     if backend not in ("auto", "fast", "hf"):
         raise EagleSpecError(f"unknown backend '{backend}'; use auto, fast or hf")
     quantize = check_quantize(quantize)
-    options = [f"--quantize {quantize}"] * bool(quantize) + ["--exact"] * bool(exact) + ["--compile"] * compile
+    activations = check_activations(activations, auto=True)
+    options = ([f"--quantize {quantize}"] * bool(quantize) + ["--exact"] * bool(exact) + ["--compile"] * compile
+               + ["--activations int8"] * (activations == "int8"))
     fast = backend == "fast" or (backend == "auto" and supports(model))
     if options and (backend == "hf" or not supports(model)):
         verb = "needs" if len(options) == 1 else "need"
@@ -530,6 +543,6 @@ def make_target(model, feature_kind: str | None = "final", backend: str = "auto"
     if exact is None:
         exact = next(model.parameters()).device.type == "cpu"
     target = FastTarget(model, feature_kind, quantize=quantize, row_invariant=True if exact else None,
-                        compile=compile)
+                        compile=compile, activations=activations)
     target.warm_up()  # compiles now (with --compile), not inside a timed step
     return target

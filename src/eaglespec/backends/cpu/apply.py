@@ -43,6 +43,7 @@ class TargetKernels:
     tree_kernel: bool  # every decode step attends through it, beside the kernels' products
     cache_dtype: torch.dtype  # of the KV cache
     keys_transposed: bool  # the kernel's key layout, [kv_heads, head_dim, capacity]
+    int8_inputs: bool = False  # the 4-bit and 6-bit block products quantize their inputs to int8 (`ACTIVATIONS`)
     q4_matrices: int = 0  # layer matrices read as exact 4-bit blocks
     q6_matrices: int = 0  # layer matrices read as exact 6-bit codes
     q4_source: q4.FirstSource | None = field(default=None, repr=False)
@@ -65,7 +66,7 @@ class TargetKernels:
         """What the fused, packed weights built for a target depend on besides the model: targets of one model with
         the same key can share them."""
         return (self.quantize, self.compiled, self.bf16_gemm, self.pack, self.row_invariant,
-                kernels.variant() if self.bf16_gemm else None, self.bf16_gemm and q4.available())
+                kernels.variant() if self.bf16_gemm else None, self.bf16_gemm and q4.available(), self.int8_inputs)
 
     def signature(self) -> str:
         """What the costs of this target's steps depend on beyond its weights and shape (a cache key)."""
@@ -75,7 +76,7 @@ class TargetKernels:
             kernels.isa().name if self.attention_kernel else "-",
             # the kernels' sources: a change to a product or the attention changes the costs measured
             kernels.source_digest() if self.bf16_gemm else "-",
-            f"q4x{self.q4_matrices}", f"q6x{self.q6_matrices}",
+            f"q4x{self.q4_matrices}", f"q6x{self.q6_matrices}", *(["int8-inputs"] if self.int8_inputs else []),
         ])
 
     # the kernel's decode-step attention and cache commit (keys_transposed layout)
@@ -118,14 +119,14 @@ class TargetKernels:
             known, packed = cache.get(key) if cache is not None else (False, None)
             linear = None
             if packed is not None:  # packed by an earlier process
-                linear = _from_packed(packed, tuple(weight.shape), bias)
+                linear = _from_packed(packed, tuple(weight.shape), bias, self.int8_inputs)
                 known = linear is not None  # a packing of another shape: not this matrix's, pack it again
             if linear is None and not known:
                 blocks = self.q4_source.blocks(*parameters)
                 if isinstance(blocks, q6.Codes):
-                    linear = q6.Q6Linear(blocks, bias) if q6.available() else None
+                    linear = q6.Q6Linear(blocks, bias, self.int8_inputs) if q6.available() else None
                 else:
-                    linear = None if blocks is None else q4.Q4Linear(blocks, bias)
+                    linear = None if blocks is None else q4.Q4Linear(blocks, bias, self.int8_inputs)
                 if cache is not None:
                     cache.put(key, None if linear is None else linear.packed)
             if linear is not None:
@@ -196,7 +197,7 @@ class TargetKernels:
                                       autotune=not self.bf16_gemm, tree_kernel=self.tree_kernel)
 
 
-def _from_packed(packed: Tensor, shape: tuple[int, int], bias: Tensor | None) -> Linear | None:
+def _from_packed(packed: Tensor, shape: tuple[int, int], bias: Tensor | None, int8_inputs: bool) -> Linear | None:
     """The product of a cached packing of an [N, K] matrix (its layout told by its last size), or None where the
     tensor is no packing of that shape."""
     n, k = shape
@@ -209,7 +210,23 @@ def _from_packed(packed: Tensor, shape: tuple[int, int], bias: Tensor | None) ->
     blocks, kind = layouts[packed.shape[-1]]
     if tuple(packed.shape[:2]) != (groups, blocks) or not packed.is_contiguous():
         return None
-    return kind.from_packed(packed, shape, bias)
+    return kind.from_packed(packed, shape, bias, int8_inputs)
+
+
+ACTIVATIONS = ("bfloat16", "int8")  # what the 4-bit and 6-bit block products multiply the weights with
+
+
+def check_activations(activations: str | None, auto: bool = False) -> str:
+    """A valid `activations` choice ("bfloat16" for None), or a clear error. "int8": the 4-bit and 6-bit block
+    products (GGUF weights) quantize each row's inputs to 8-bit integers per block of 32 and multiply in integers,
+    as llama.cpp does: another arithmetic for the model, so an opt-in for a target (speculative decoding stays
+    exactly plain decoding of the same target, both running it). `auto` allows "auto": int8 where the products
+    run, for models whose arithmetic does not reach the output (a draft model's: drafters propose, the target
+    decides)."""
+    activations = activations or "bfloat16"
+    if activations not in ACTIVATIONS + ("auto",) * auto:
+        raise EagleSpecError(f"unknown activations {activations!r}; use {' or '.join(ACTIVATIONS)}")
+    return activations
 
 
 def check_quantize(mode: str | None, device: torch.device | str = "cpu") -> str | None:
@@ -220,15 +237,21 @@ def check_quantize(mode: str | None, device: torch.device | str = "cpu") -> str 
 def plan_target(dtype: torch.dtype, device: torch.device, head_dim: int, quantize: str | None = None,
                 pack: bool | None = None, row_invariant: bool | None = None,
                 attention_dtype: torch.dtype | None = None, compile: bool = False,
-                use_kernels: bool | None = None) -> TargetKernels:
+                use_kernels: bool | None = None, activations: str | None = None) -> TargetKernels:
     """Decide what a fast-path target with weights of `dtype` on `device` runs on; the arguments are FastTarget's
     (None = wherever available)."""
     quantize = check_mode(quantize, device)
+    activations = check_activations(activations, auto=True)
     can_kernel = quantize is None and kernels.available(dtype, device)
     if use_kernels and not can_kernel:
         raise EagleSpecError("eaglespec's kernels need bfloat16 weights on a CPU with AVX-512 BF16 or AVX2 + FMA, "
                              "a C++ compiler, and no --quantize")
     bf16_gemm = can_kernel if use_kernels is None else bool(use_kernels)
+    int8_inputs = activations == "int8" or (activations == "auto" and bf16_gemm and q4.available())
+    if activations == "int8" and not (bf16_gemm and q4.available()):
+        raise EagleSpecError("--activations int8 needs eaglespec's 4-bit block products: bfloat16 weights from a GGUF "
+                             "file on a CPU with AVX-512 or AVX2 + FMA, a C++ compiler, no --quantize and "
+                             "EAGLESPEC_Q4 not 0")
     if compile:
         # compiled graphs are row-invariant only with the kernels (they attend through the kernel too); the eager
         # row-by-row attention of quantized / row_invariant targets has no compiled form
@@ -265,7 +288,7 @@ def plan_target(dtype: torch.dtype, device: torch.device, head_dim: int, quantiz
     plan = TargetKernels(quantize=quantize, compiled=bool(compile), bf16_gemm=bf16_gemm,
                          pack=can_pack if pack is None else bool(pack), row_invariant=invariant,
                          attention_dtype=attention_dtype, attention_kernel=attention_kernel, tree_kernel=tree_kernel,
-                         cache_dtype=cache_dtype, keys_transposed=kernel_steps)
+                         cache_dtype=cache_dtype, keys_transposed=kernel_steps, int8_inputs=int8_inputs)
     if kernel_steps:
         kernels.load()
     return plan

@@ -233,8 +233,16 @@ def load() -> None:
         def _(x: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor:
             return x.new_empty(x.shape[0], n)
 
+        @torch.library.register_fake("eaglespec::q4_q8_linear")
+        def _(x: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor:
+            return x.new_empty(x.shape[0], n)
+
     if build_isa.has_q6:  # csrc/common/q6_gemm.h (eaglespec.backends.cpu.q6)
         @torch.library.register_fake("eaglespec::q6_linear")
+        def _(x: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor:
+            return x.new_empty(x.shape[0], n)
+
+        @torch.library.register_fake("eaglespec::q6_q8_linear")
         def _(x: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor:
             return x.new_empty(x.shape[0], n)
 

@@ -171,27 +171,33 @@ def q4_pack(blocks: Blocks | SuperBlocks) -> Tensor:
 
 class PackedLinear(nn.Module):
     """y = x W^T (+ b) through one of the kernels' operators on a packed weight (`op`: its name in
-    torch.ops.eaglespec, taking (x [M, K] bfloat16, packed, N, bias)). x [..., K] -> [..., N] bfloat16."""
+    torch.ops.eaglespec, taking (x [M, K] bfloat16, packed, N, bias); `int8_op`: the same product with the inputs
+    quantized to 8-bit integers per block of 32, used where `int8_inputs`). x [..., K] -> [..., N] bfloat16."""
 
     op = ""
+    int8_op = ""
 
-    def __init__(self, packed: Tensor, shape: tuple[int, int], bias: Tensor | None = None):
+    def __init__(self, packed: Tensor, shape: tuple[int, int], bias: Tensor | None = None,
+                 int8_inputs: bool = False):
         super().__init__()
         kernels.load()
         self.out_features, self.in_features = shape
+        self.int8_inputs = int8_inputs
         self.register_buffer("packed", packed)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     @classmethod
-    def from_packed(cls, packed: Tensor, shape: tuple[int, int], bias: Tensor | None = None) -> "PackedLinear":
+    def from_packed(cls, packed: Tensor, shape: tuple[int, int], bias: Tensor | None = None,
+                    int8_inputs: bool = False) -> "PackedLinear":
         """A product of [N, K] = `shape` from its packed weight (e.g. read back by packcache)."""
         linear = cls.__new__(cls)
-        PackedLinear.__init__(linear, packed, shape, bias)
+        PackedLinear.__init__(linear, packed, shape, bias, int8_inputs)
         return linear
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, K]
-        y = getattr(torch.ops.eaglespec, self.op)(rows, self.packed, self.out_features, self.bias)  # [M, N]
+        op = getattr(torch.ops.eaglespec, self.int8_op if self.int8_inputs else self.op)
+        y = op(rows, self.packed, self.out_features, self.bias)  # [M, N]
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -215,9 +221,10 @@ class Q4Linear(PackedLinear):
     bfloat16."""
 
     op = "q4_linear"
+    int8_op = "q4_q8_linear"
 
-    def __init__(self, blocks: Blocks | SuperBlocks, bias: Tensor | None = None):
-        super().__init__(q4_pack(blocks), tuple(blocks.q.shape), bias)
+    def __init__(self, blocks: Blocks | SuperBlocks, bias: Tensor | None = None, int8_inputs: bool = False):
+        super().__init__(q4_pack(blocks), tuple(blocks.q.shape), bias, int8_inputs)
 
 
 class Float32Source:

@@ -87,6 +87,7 @@ class Q6Linear(PackedLinear):
     """y = x W^T (+ b) with W read as exact 6-bit codes. x [..., K] -> [..., N] bfloat16."""
 
     op = "q6_linear"
+    int8_op = "q6_q8_linear"
 
-    def __init__(self, codes: Codes, bias: Tensor | None = None):
-        super().__init__(q6_pack(codes), tuple(codes.q.shape), bias)
+    def __init__(self, codes: Codes, bias: Tensor | None = None, int8_inputs: bool = False):
+        super().__init__(q6_pack(codes), tuple(codes.q.shape), bias, int8_inputs)

@@ -19,7 +19,8 @@ from ... import envs
 from . import kernels, q4, q6
 
 Q4_KIND = 2  # a product's kind in the stack: 0 / 1 the bfloat16 kernel's loop (kernels.VARIANTS), 2 the 4-bit one,
-Q6_KIND = 3  # 3 the 6-bit codes
+Q6_KIND = 3  # 3 the 6-bit codes,
+INT8_INPUTS = 2  # + 2: the same with int8 inputs (4: the 4-bit product's q4_q8_linear, 5: the 6-bit one's)
 
 
 def _parts(linear) -> tuple:
@@ -28,10 +29,8 @@ def _parts(linear) -> tuple:
 
 
 def _kind(linear) -> int | None:
-    if isinstance(linear, q4.Q4Linear):
-        return Q4_KIND
-    if isinstance(linear, q6.Q6Linear):
-        return Q6_KIND
+    if isinstance(linear, (q4.Q4Linear, q6.Q6Linear)):
+        return (Q4_KIND if isinstance(linear, q4.Q4Linear) else Q6_KIND) + INT8_INPUTS * linear.int8_inputs
     if isinstance(linear, kernels.Bf16Linear):
         return linear.variant
     return None

@@ -32,6 +32,7 @@ using avx512::HalfScales;
 using avx512::SuperScales;
 using avx512::unpack_block;
 using avx512::block_scales;
+using avx512::group_rows_q8;  // (int8 inputs: vpdpbusd, as on the AVX-512 build)
 
 // The tiles for R rows: 0 the rows' inputs of a block; 1, 2 its weights, columns 0-15 / 16-31; 3, 4 their S.
 struct Tiles {

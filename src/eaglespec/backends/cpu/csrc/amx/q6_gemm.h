@@ -18,6 +18,7 @@ namespace amx {
 
 using eaglespec::amx::TileConfig;
 using eaglespec::amx::TileScope;
+using avx512::group_rows_q8;  // (int8 inputs: vpdpbusd, as on the AVX-512 build)
 
 constexpr bool kBf16Rows = true;
 constexpr bool kNeedsSums = true;

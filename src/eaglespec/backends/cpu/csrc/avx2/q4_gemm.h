@@ -243,6 +243,77 @@ void block_scales(const uint8_t* blk, int64_t b, float* d, float* m) {
   }
 }
 
+// The products with int8 inputs (q4_q8_linear, common/q4_gemm.h). Per 8 k of 8 columns, the 32-byte load of their
+// words masked (even k) and shifted then masked (odd k) gives each column's four even and four odd q as bytes in its
+// 32-bit lane; vpmaddubsw against the row's four even and four odd xq broadcast (the host code stores each 8 inputs'
+// even k, then odd k) sums products in pairs (at most 2 x 15 x 127 in an int16, no saturation), the two are added
+// and vpmaddwd by ones sums each lane's four int16 into its int32 S: the integers of AVX-512 VNNI's vpdpbusd. Per row,
+// column and block acc = fma(m, X, fma(d, sx S, acc)), in the AVX-512 kernel's order (the same bits on either build).
+// The running sums stay in acc (L1) between blocks: 8 lanes a register leave too few for a row's 4 vectors.
+constexpr int kTileRowsQ8 = 4;
+
+template <typename Scales, int R>
+void tile_rows_q8(const int8_t* xq, int64_t ldq, const float* sx, const float* xsum, int64_t blocks,
+                  const uint8_t* group, float* acc) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc + r * kCols + 8 * v, _mm256_setzero_ps());
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = Scales::block(group, b);
+    for (int line = 0; line < Scales::kBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Scales::kBytes + line), _MM_HINT_T0);
+    const uint8_t* qs = blk + Scales::kBytes - kQBytes;
+    const int8_t* xb = xq + b * kBlockK;
+    for (int v = 0; v < 4; ++v) {  // columns 8 v .. 8 v + 7
+      __m256i s[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {  // k = 32 b + 8 j .. 32 b + 8 j + 7
+        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (4 * j + v) * 32));
+        const __m256i even = _mm256_and_si256(words, low4);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(words, 4), low4);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          int32_t e, o;
+          std::memcpy(&e, xb + r * ldq + 8 * j, sizeof(e));
+          std::memcpy(&o, xb + r * ldq + 8 * j + 4, sizeof(o));
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(even, _mm256_set1_epi32(e)),
+                                                 _mm256_maddubs_epi16(odd, _mm256_set1_epi32(o)));
+          s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+      const __m256 d = Scales::d(blk, b, v), m = Scales::m(blk, b, v);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        float* out = acc + r * kCols + 8 * v;
+        const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(s[r]), _mm256_set1_ps(sx[r * blocks + b]));
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[r * blocks + b]),
+                                              _mm256_fmadd_ps(d, scaled, _mm256_loadu_ps(out))));
+      }
+    }
+  }
+}
+
+// All 32 columns of a group for any number of rows with int8 inputs, kTileRowsQ8 at a time -> acc [rows][kCols].
+// xq: the rows' int8 inputs (row stride ldq, in nibble order); sx, xsum [rows][blocks]: each block's scale and X.
+template <typename Scales>
+void group_rows_q8(int64_t rows, const int8_t* xq, int64_t ldq, const float* sx, const float* xsum, int64_t blocks,
+                   const uint8_t* group, float* acc) {
+  for (int64_t row = 0; row < rows; row += kTileRowsQ8) {
+    const int8_t* xr = xq + row * ldq;
+    const float* sr = sx + row * blocks;
+    const float* xs = xsum + row * blocks;
+    float* ar = acc + row * kCols;
+    switch (std::min<int64_t>(kTileRowsQ8, rows - row)) {
+      case 1: tile_rows_q8<Scales, 1>(xr, ldq, sr, xs, blocks, group, ar); break;
+      case 2: tile_rows_q8<Scales, 2>(xr, ldq, sr, xs, blocks, group, ar); break;
+      case 3: tile_rows_q8<Scales, 3>(xr, ldq, sr, xs, blocks, group, ar); break;
+      default: tile_rows_q8<Scales, 4>(xr, ldq, sr, xs, blocks, group, ar);
+    }
+  }
+}
+
 }  // namespace avx2
 
 namespace isa = avx2;

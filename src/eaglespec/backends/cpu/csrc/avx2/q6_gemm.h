@@ -103,6 +103,81 @@ void group_rows(int64_t rows, const void* x_rows, int64_t ldx, const float*, int
   }
 }
 
+// The products with int8 inputs (q6_q8_linear, common/q6_gemm.h). Per block, two k-pairs' codes (pair_codes)
+// unpacked against each other as 16-bit words give each column's codes of 4 consecutive k as the bytes of its 32-bit
+// lane, 8 columns in order a vector (columns 0-7 and 16-23 from the pairs' Q[0 .. 31], 8-15 and 24-31 from their
+// Q[32 .. 63]), built once per block and tile into L1; vpmaddubsw against the row's 4 xq broadcast (at most
+// 2 x 63 x 127 in an int16) and vpmaddwd by ones give vpdpbusd's integers. Per row, column and 16 k: S = -32 sum xq
+// plus those sums, then acc = fma(s, sx S, acc), as the AVX-512 kernel (the same bits).
+constexpr int kTileRowsQ8 = 4;
+
+template <int R>
+void tile_rows_q8(const int8_t* xq, int64_t ldq, const float* sx, const int32_t* sum16, int64_t blocks,
+                  const uint8_t* group, float* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t halves = 2 * blocks;
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc + r * kCols + 8 * v, _mm256_setzero_ps());
+  alignas(32) __m256i w[8][4];  // [4 consecutive k][8 columns]: the block's codes in vpmaddubsw's order
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = group + b * kBlockBytes;
+    for (int line = 0; line < kBlockBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * kBlockBytes + line), _MM_HINT_T0);
+    const uint8_t* codes = blk + kScaleBytes;
+    const auto* scales = reinterpret_cast<const float*>(blk);
+    const int8_t* xb = xq + b * kBlockK;
+    for (int t = 0; t < 8; ++t) {  // k 4 t .. 4 t + 3: pairs 2 t and 2 t + 1
+      __m256i q0[2], q1[2];
+      pair_codes(codes + kPairBytes * (2 * t), q0);
+      pair_codes(codes + kPairBytes * (2 * t + 1), q1);
+      w[t][0] = _mm256_unpacklo_epi16(q0[0], q1[0]);
+      w[t][1] = _mm256_unpacklo_epi16(q0[1], q1[1]);
+      w[t][2] = _mm256_unpackhi_epi16(q0[0], q1[0]);
+      w[t][3] = _mm256_unpackhi_epi16(q0[1], q1[1]);
+    }
+    for (int h = 0; h < 2; ++h)  // k 16 h .. 16 h + 15: one scale
+      for (int v = 0; v < 4; ++v) {
+        __m256i s[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) s[r] = _mm256_set1_epi32(-32 * sum16[r * halves + 2 * b + h]);
+#pragma GCC unroll 4
+        for (int t = 4 * h; t < 4 * h + 4; ++t)
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            int32_t bits;
+            std::memcpy(&bits, xb + r * ldq + 4 * t, sizeof(bits));
+            s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w[t][v], _mm256_set1_epi32(bits)),
+                                                            ones));
+          }
+        const __m256 scale = _mm256_loadu_ps(scales + 32 * h + 8 * v);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          float* out = acc + r * kCols + 8 * v;
+          const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(s[r]), _mm256_set1_ps(sx[r * blocks + b]));
+          _mm256_storeu_ps(out, _mm256_fmadd_ps(scale, scaled, _mm256_loadu_ps(out)));
+        }
+      }
+  }
+}
+
+// All 32 columns of a group for any number of rows with int8 inputs (in k order, row stride ldq), kTileRowsQ8 at a
+// time -> acc [rows][kCols]. sx [rows][blocks]: each 32 inputs' scale; sum16 [rows][2 blocks]: each 16 inputs' sum.
+void group_rows_q8(int64_t rows, const int8_t* xq, int64_t ldq, const float* sx, const int32_t* sum16,
+                   int64_t blocks, const uint8_t* group, float* acc) {
+  for (int64_t row = 0; row < rows; row += kTileRowsQ8) {
+    const int8_t* xr = xq + row * ldq;
+    const float* sr = sx + row * blocks;
+    const int32_t* ss = sum16 + row * 2 * blocks;
+    float* ar = acc + row * kCols;
+    switch (std::min<int64_t>(kTileRowsQ8, rows - row)) {
+      case 1: tile_rows_q8<1>(xr, ldq, sr, ss, blocks, group, ar); break;
+      case 2: tile_rows_q8<2>(xr, ldq, sr, ss, blocks, group, ar); break;
+      case 3: tile_rows_q8<3>(xr, ldq, sr, ss, blocks, group, ar); break;
+      default: tile_rows_q8<4>(xr, ldq, sr, ss, blocks, group, ar);
+    }
+  }
+}
+
 }  // namespace avx2
 
 namespace isa = avx2;

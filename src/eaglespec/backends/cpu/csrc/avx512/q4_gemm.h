@@ -156,6 +156,90 @@ void group_rows_wide(int64_t rows, const void* x_rows, int64_t ldx, const float*
   group_rows<Scales>(rows, x_rows, ldx, xsum, blocks, group, acc);
 }
 
+// The products with int8 inputs (q4_q8_linear, common/q4_gemm.h). Per 8 k of 16 columns, the 64-byte load of their
+// words masked (even k) and shifted then masked (odd k) gives each column's four even and four odd q as bytes in its
+// 32-bit lane: vpdpbusd's unsigned operand, against the row's four even and four odd xq broadcast (the host code
+// stores each 8 inputs' even k, then odd k). Per row, column and block: S in int32 over the block's 32 k, then
+// acc = fma(m, X, fma(d, sx S, acc)), the float steps in the AVX2 kernel's order (the same bits on either build).
+constexpr int kTileRowsQ8 = 6;  // 2 x 6 int32 sums + 2 x 6 float32 ones + 4 weight vectors in the 32 registers
+
+template <typename Scales, int R>
+void tile_rows_q8(const int8_t* xq, int64_t ldq, const float* sx, const float* xsum, int64_t blocks,
+                  const uint8_t* group, float* acc) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 a[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = Scales::block(group, b);
+    for (int line = 0; line < Scales::kBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Scales::kBytes + line), _MM_HINT_T0);
+    const uint8_t* qs = blk + Scales::kBytes - kQBytes;
+    const int8_t* xb = xq + b * kBlockK;
+    __m512i s[R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {  // k = 32 b + 8 j .. 32 b + 8 j + 7
+      __m512i even[2], odd[2];
+#pragma GCC unroll 2
+      for (int v = 0; v < 2; ++v) {  // columns 16 v .. 16 v + 15
+        const __m512i words = _mm512_loadu_si512(qs + (4 * j + 2 * v) * 32);
+        even[v] = _mm512_and_si512(words, low4);
+        odd[v] = _mm512_and_si512(_mm512_srli_epi16(words, 4), low4);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t e, o;
+        std::memcpy(&e, xb + r * ldq + 8 * j, sizeof(e));
+        std::memcpy(&o, xb + r * ldq + 8 * j + 4, sizeof(o));
+        const __m512i xe = _mm512_set1_epi32(e), xo = _mm512_set1_epi32(o);
+#pragma GCC unroll 2
+        for (int v = 0; v < 2; ++v)
+          s[r][v] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r][v], even[v], xe), odd[v], xo);
+      }
+    }
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) {
+      const __m512 d = Scales::d(blk, b, v), m = Scales::m(blk, b, v);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(s[r][v]), _mm512_set1_ps(sx[r * blocks + b]));
+        a[r][v] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * blocks + b]), _mm512_fmadd_ps(d, scaled, a[r][v]));
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) _mm512_storeu_ps(acc + r * kCols + 16 * v, a[r][v]);
+}
+
+// All 32 columns of a group for any number of rows with int8 inputs, in near-equal tiles of at most kTileRowsQ8
+// rows (8 rows as 4 + 4) -> acc [rows][kCols]. xq: the rows' int8 inputs (row stride ldq, in nibble order); sx, xsum
+// [rows][blocks]: each block's scale and X.
+template <typename Scales>
+void group_rows_q8(int64_t rows, const int8_t* xq, int64_t ldq, const float* sx, const float* xsum, int64_t blocks,
+                   const uint8_t* group, float* acc) {
+  const int64_t tiles = (rows + kTileRowsQ8 - 1) / kTileRowsQ8;
+  for (int64_t t = 0, row = 0; t < tiles; ++t) {
+    const int64_t count = (rows - row) / (tiles - t);
+    const int8_t* xr = xq + row * ldq;
+    const float* sr = sx + row * blocks;
+    const float* xs = xsum + row * blocks;
+    float* ar = acc + row * kCols;
+    switch (count) {
+      case 1: tile_rows_q8<Scales, 1>(xr, ldq, sr, xs, blocks, group, ar); break;
+      case 2: tile_rows_q8<Scales, 2>(xr, ldq, sr, xs, blocks, group, ar); break;
+      case 3: tile_rows_q8<Scales, 3>(xr, ldq, sr, xs, blocks, group, ar); break;
+      case 4: tile_rows_q8<Scales, 4>(xr, ldq, sr, xs, blocks, group, ar); break;
+      case 5: tile_rows_q8<Scales, 5>(xr, ldq, sr, xs, blocks, group, ar); break;
+      default: tile_rows_q8<Scales, 6>(xr, ldq, sr, xs, blocks, group, ar);
+    }
+    row += count;
+  }
+}
+
 // One group-block's q as float32 [32 k][32 columns] (k-major) into qf (for q4_unpack; not on a hot path).
 template <typename Scales>
 void unpack_block(const uint8_t* blk, float* qf) {

@@ -119,6 +119,89 @@ void group_rows(int64_t rows, const void* x_rows, int64_t ldx, const float* xsum
   }
 }
 
+// The products with int8 inputs (q6_q8_linear, common/q6_gemm.h). Two k-pairs' codes, unpacked against each other
+// as 16-bit words (vpunpcklwd, vpunpckhwd), give each column's codes of 4 consecutive k as the bytes of its 32-bit
+// lane, 16 columns in order a vector: vpdpbusd's unsigned operand, against the row's 4 xq of those k broadcast. Per
+// row, column and 16 k: S = -32 sum xq (the host code's sums) plus the vpdpbusd chain, which is sum xq (q - 32) in
+// int32 (exact), then acc = fma(s, sx S, acc), sx the scale of the 32 inputs the 16 are in (the same steps, and
+// bits, as the AVX2 kernel's).
+constexpr int kTileRowsQ8 = 6;
+
+template <int R>
+void tile_rows_q8(const int8_t* xq, int64_t ldq, const float* sx, const int32_t* sum16, int64_t blocks,
+                  const uint8_t* group, float* acc) {
+  const int64_t halves = 2 * blocks;
+  __m512 a[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = group + b * kBlockBytes;
+    for (int line = 0; line < kBlockBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * kBlockBytes + line), _MM_HINT_T0);
+    const uint8_t* codes = blk + kScaleBytes;
+    const auto* scales = reinterpret_cast<const float*>(blk);
+    const int8_t* xb = xq + b * kBlockK;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {  // k 16 h .. 16 h + 15: one scale
+      __m512i s[R][2];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_set1_epi32(-32 * sum16[r * halves + 2 * b + h]);
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {  // k 16 h + 4 t .. 16 h + 4 t + 3: pairs 8 h + 2 t and 8 h + 2 t + 1
+        const __m512i q0 = pair_codes(codes + kPairBytes * (8 * h + 2 * t));
+        const __m512i q1 = pair_codes(codes + kPairBytes * (8 * h + 2 * t + 1));
+        const __m512i w0 = _mm512_unpacklo_epi16(q0, q1);  // columns 0-15
+        const __m512i w1 = _mm512_unpackhi_epi16(q0, q1);  // columns 16-31
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t bits;
+          std::memcpy(&bits, xb + r * ldq + 16 * h + 4 * t, sizeof(bits));
+          const __m512i xk = _mm512_set1_epi32(bits);
+          s[r][0] = _mm512_dpbusd_epi32(s[r][0], w0, xk);
+          s[r][1] = _mm512_dpbusd_epi32(s[r][1], w1, xk);
+        }
+      }
+#pragma GCC unroll 2
+      for (int v = 0; v < 2; ++v) {
+        const __m512 scale = _mm512_loadu_ps(scales + 32 * h + 16 * v);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(s[r][v]), _mm512_set1_ps(sx[r * blocks + b]));
+          a[r][v] = _mm512_fmadd_ps(scale, scaled, a[r][v]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) _mm512_storeu_ps(acc + r * kCols + 16 * v, a[r][v]);
+}
+
+// All 32 columns of a group for any number of rows with int8 inputs (in k order, row stride ldq), in near-equal
+// tiles of at most kTileRowsQ8 rows -> acc [rows][kCols]. sx [rows][blocks]: each 32 inputs' scale; sum16
+// [rows][2 blocks]: each 16 inputs' sum of xq.
+void group_rows_q8(int64_t rows, const int8_t* xq, int64_t ldq, const float* sx, const int32_t* sum16,
+                   int64_t blocks, const uint8_t* group, float* acc) {
+  const int64_t tiles = (rows + kTileRowsQ8 - 1) / kTileRowsQ8;
+  for (int64_t t = 0, row = 0; t < tiles; ++t) {
+    const int64_t count = (rows - row) / (tiles - t);
+    const int8_t* xr = xq + row * ldq;
+    const float* sr = sx + row * blocks;
+    const int32_t* ss = sum16 + row * 2 * blocks;
+    float* ar = acc + row * kCols;
+    switch (count) {
+      case 1: tile_rows_q8<1>(xr, ldq, sr, ss, blocks, group, ar); break;
+      case 2: tile_rows_q8<2>(xr, ldq, sr, ss, blocks, group, ar); break;
+      case 3: tile_rows_q8<3>(xr, ldq, sr, ss, blocks, group, ar); break;
+      case 4: tile_rows_q8<4>(xr, ldq, sr, ss, blocks, group, ar); break;
+      case 5: tile_rows_q8<5>(xr, ldq, sr, ss, blocks, group, ar); break;
+      default: tile_rows_q8<6>(xr, ldq, sr, ss, blocks, group, ar);
+    }
+    row += count;
+  }
+}
+
 }  // namespace avx512
 
 #ifndef EAGLESPEC_AMX  // (the AMX build's micro-kernels, amx/, build on these)

@@ -27,7 +27,9 @@ namespace {
 
 constexpr int64_t kMatrices = 4;  // per layer: qkv, o, gate_up, down
 constexpr int64_t kQ4 = 2;        // a matrix's kind: 0 or 1 the bf16_linear variant, 2 the exact 4-bit product,
-constexpr int64_t kQ6 = 3;        // 3 the 6-bit code product
+constexpr int64_t kQ6 = 3;        // 3 the 6-bit code product,
+constexpr int64_t kQ4Int8 = 4;    // 4 and 5 the same two with int8 inputs (q4_q8_linear, q6_q8_linear)
+constexpr int64_t kQ6Int8 = 5;
 
 inline float bf16_round(float value) { return bf16_to_float(to_bf16(value)); }
 
@@ -70,11 +72,14 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, float eps) {
   return out;
 }
 
-// One layer product: kinds 0 / 1 the bfloat16 kernel's variants, 2 the exact 4-bit one, 3 the 6-bit codes.
+// One layer product: kinds 0 / 1 the bfloat16 kernel's variants, 2 the exact 4-bit one, 3 the 6-bit codes, 4 and 5
+// those two with int8 inputs.
 at::Tensor product(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias,
                    int64_t kind) {
   if (kind == kQ4) return q4::q4_linear(x, packed, n, bias);
   if (kind == kQ6) return q6::q6_linear(x, packed, n, bias);
+  if (kind == kQ4Int8) return q4::q4_q8_linear(x, packed, n, bias);
+  if (kind == kQ6Int8) return q6::q6_q8_linear(x, packed, n, bias);
   return bf16::bf16_linear(x, packed, n, bias, kind);
 }
 
@@ -203,8 +208,8 @@ std::vector<at::Tensor> decoder_stack(const at::Tensor& x_in, const at::Tensor& 
                     norms[i].is_contiguous(),
                 "decoder_stack: norm weights must be [", d, "] bfloat16");
   for (int64_t i = 0; i < total; ++i)
-    TORCH_CHECK(kinds[i] >= 0 && kinds[i] <= kQ6,
-                "decoder_stack: a product's kind is 0, 1 (bfloat16), 2 (4-bit) or 3 (6-bit codes)");
+    TORCH_CHECK(kinds[i] >= 0 && kinds[i] <= kQ6Int8,
+                "decoder_stack: a product's kind is 0-1 (bfloat16), 2 (4-bit), 3 (6-bit codes), 4-5 (int8 inputs)");
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const float epsilon = static_cast<float>(eps);
   at::Tensor x = x_in.clone(at::MemoryFormat::Contiguous);

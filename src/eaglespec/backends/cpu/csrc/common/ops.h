@@ -32,8 +32,10 @@ TORCH_LIBRARY(eaglespec, m) {
   m.def("screened_argmax(Tensor x, Tensor packed, Tensor scale, Tensor b1, Tensor b2, Tensor weight) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, int n, Tensor? bias) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("q4_q8_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("q4_unpack(Tensor packed, int n, int k) -> Tensor");
   m.def("q6_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("q6_q8_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("q6_unpack(Tensor packed, int n, int k) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("decoder_stack(Tensor x, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] packed, int[] outs, int[] kinds, "
@@ -53,8 +55,10 @@ TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
   m.impl("screened_argmax", eaglespec::screen::screened_argmax);
   m.impl("int8_linear", eaglespec::screen::int8_linear);
   m.impl("q4_linear", eaglespec::q4::q4_linear);
+  m.impl("q4_q8_linear", eaglespec::q4::q4_q8_linear);
   m.impl("q4_unpack", eaglespec::q4::q4_unpack);
   m.impl("q6_linear", eaglespec::q6::q6_linear);
+  m.impl("q6_q8_linear", eaglespec::q6::q6_q8_linear);
   m.impl("q6_unpack", eaglespec::q6::q6_unpack);
   m.impl("silu_mul", eaglespec::stack::silu_mul);
   m.impl("decoder_stack", eaglespec::stack::decoder_stack);

@@ -112,6 +112,54 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n
   return y;
 }
 
+// The same product with each row's inputs quantized to 8-bit integers per block of 32 (Q8Rows, common/shared.h),
+// as llama.cpp multiplies its 4-bit blocks: per row, column and block, S = sum_k xq[k] q[k] in int32 (exact, in any
+// order), then acc = fma(m, X, fma(d, sx S, acc)) with X = sx sum_k xq[k] (isa::group_rows_q8: AVX-512 VNNI's
+// vpdpbusd, or AVX2's vpmaddubsw, 64 or 32 products an instruction against 32 or 8 in the bfloat16 forms). The
+// result is the product of the exact 4-bit weights with the rounded inputs, not the bfloat16 product's: another
+// arithmetic for the model (an opt-in format; `eaglespec.backends.cpu.q4`). The integer sums and the float steps after
+// them are the same on every build, so every build gives the same bits, and each row's are its own (row-invariant).
+template <typename Scales>
+void linear_rows_q8(const Q8Rows& xq, int64_t row, int64_t m, const float* xsum, const uint8_t* wp, int64_t groups,
+                    int64_t blocks, int64_t n, const float* bp, uint16_t* yp) {
+  at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kMaxM * kCols];
+    for (int64_t g = begin; g < end; ++g) {
+      isa::group_rows_q8<Scales>(m, xq.xq.get() + row * xq.k, xq.k, xq.sx.get() + row * blocks, xsum, blocks,
+                                 wp + g * Scales::group_bytes(blocks), acc);
+      const int64_t col = g * kCols, columns = std::min(kCols, n - col);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = 0; c < columns; ++c)
+          yp[r * n + col + c] = to_bf16(acc[r * kCols + c] + (bp ? bp[col + c] : 0.0f));
+    }
+  });
+}
+
+// x [M, K] bfloat16, packed as for q4_linear, bias [n] or none -> [M, n] bfloat16, through int8 inputs.
+at::Tensor q4_q8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
+                        const std::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "q4_q8_linear: x must be [M, K] bfloat16");
+  const int64_t m = x_in.size(0), k = x_in.size(1);
+  const bool super = check_packed(packed, n, k);
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor bias = float_bias(bias_in, n, "q4_q8_linear");
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t blocks = k / kBlockK;
+  Q8Rows xq(m, k);
+  xq.quantize(xp, m, /*nibble_order=*/true);
+  std::unique_ptr<float[]> xsum(new float[m * blocks]);
+  for (int64_t i = 0; i < m * blocks; ++i)  // X = sx sum xq: the block's input sum as the product sees the inputs
+    xsum[i] = xq.sx[i] * static_cast<float>(xq.sum16[2 * i] + xq.sum16[2 * i + 1]);
+  for (int64_t row = 0; row < m; row += kMaxM)  // each row's sums are independent of the chunk it is in
+    (super ? linear_rows_q8<isa::SuperScales> : linear_rows_q8<isa::HalfScales>)(
+        xq, row, std::min(kMaxM, m - row), xsum.get() + row * blocks, packed.data_ptr<uint8_t>(), packed.size(0),
+        blocks, n, float_data(bias), yp + row * n);
+  return y;
+}
+
 // The float32 weights [n, K] the packing holds, fmaf(d, q, m) (gguf's float32 dequantization): to check the
 // packing against it.
 template <typename Scales>

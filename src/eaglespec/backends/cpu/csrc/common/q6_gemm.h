@@ -79,6 +79,44 @@ at::Tensor q6_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n
   return y;
 }
 
+// The same product with each row's inputs quantized to 8-bit integers per block of 32 (Q8Rows, common/shared.h):
+// per row, column and 16 k, S = sum_k xq[k] (q[k] - 32) in int32 (exact), then acc = fma(s, sx S, acc)
+// (isa::group_rows_q8). Another arithmetic for the model than q6_linear's (an opt-in format), the same bits on every
+// build, each row's its own (row-invariant); see q4_q8_linear.
+at::Tensor q6_q8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
+                        const std::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "q6_q8_linear: x must be [M, K] bfloat16");
+  const int64_t m = x_in.size(0), k = x_in.size(1);
+  check_packed(packed, n, k);
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor bias = float_bias(bias_in, n, "q6_q8_linear");
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const float* bp = float_data(bias);
+  const int64_t blocks = k / kBlockK, groups = packed.size(0);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  Q8Rows xq(m, k);
+  xq.quantize(xp, m, /*nibble_order=*/false);
+  for (int64_t row = 0; row < m; row += kMaxM) {  // each row's sums are independent of the chunk it is in
+    const int64_t rows = std::min(kMaxM, m - row);
+    uint16_t* yr = yp + row * n;
+    at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
+      alignas(64) float acc[kMaxM * kCols];
+      for (int64_t g = begin; g < end; ++g) {
+        isa::group_rows_q8(rows, xq.xq.get() + row * k, k, xq.sx.get() + row * blocks,
+                           xq.sum16.get() + row * 2 * blocks, blocks, wp + g * blocks * kBlockBytes, acc);
+        const int64_t col = g * kCols, columns = std::min(kCols, n - col);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < columns; ++c)
+            yr[r * n + col + c] = to_bf16(acc[r * kCols + c] + (bp ? bp[col + c] : 0.0f));
+      }
+    });
+  }
+  return y;
+}
+
 // One group-block's weights s (q - 32) as float32 [32 k][32 columns] (k-major) into wf (for q6_unpack).
 void unpack_block(const uint8_t* blk, float* wf) {
   const auto* scales = reinterpret_cast<const float*>(blk);

@@ -67,6 +67,68 @@ inline at::Tensor float_bias(const std::optional<at::Tensor>& bias_in, int64_t n
 
 inline const float* float_data(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
+// A call's rows with their inputs as 8-bit integers, for the products with int8 activations (q4_q8_linear,
+// q6_q8_linear): per block of 32 inputs of a row, sx = max |x| / 127 and xq = x / sx rounded to the nearest integer
+// (ties to even), in [-127, 127], so that x ~ sx xq (llama.cpp's Q8_0 scheme, and the greedy LM head's screen's). A
+// block with a non-finite input gets sx = NaN, which the products carry into their outputs. Each row is quantized
+// on its own, so a row's integers do not depend on the other rows of the call.
+struct Q8Rows {
+  static constexpr int64_t kBlock = 32;
+  int64_t k, blocks;
+  std::unique_ptr<int8_t[]> xq;      // [rows][k]: in k order, or (nibble_order) each 8 inputs' even k, then odd k
+  std::unique_ptr<float[]> sx;       // [rows][blocks]
+  std::unique_ptr<int32_t[]> sum16;  // [rows][2 blocks]: the sum of xq over each 16 inputs
+
+  Q8Rows(int64_t rows, int64_t k_)
+      : k(k_), blocks(k_ / kBlock), xq(new int8_t[rows * k_]), sx(new float[rows * (k_ / kBlock)]),
+        sum16(new int32_t[rows * 2 * (k_ / kBlock)]) {}
+
+  // Rows [0, rows) of x (bfloat16, row stride k); k a multiple of 32.
+  void quantize(const uint16_t* x, int64_t rows, bool nibble_order) {
+    at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) quantize_block(x + i * kBlock, i, nibble_order);
+    });
+  }
+
+ private:
+  // Block i of all rows' blocks (row i / blocks): loops of fixed length the compiler vectorizes.
+  void quantize_block(const uint16_t* x, int64_t i, bool nibble_order) {
+    uint16_t peak_bits = 0;  // max |x| as bfloat16 bits: for non-negative floats the bits order as the values
+    for (int64_t j = 0; j < kBlock; ++j) peak_bits = std::max<uint16_t>(peak_bits, x[j] & 0x7FFF);
+    int8_t* q = xq.get() + i * kBlock;
+    int32_t* sums = sum16.get() + 2 * i;
+    if (peak_bits >= 0x7F80) {  // an infinity or NaN
+      sx[i] = std::numeric_limits<float>::quiet_NaN();
+      std::memset(q, 0, kBlock);
+      sums[0] = sums[1] = 0;
+      return;
+    }
+    const float peak = bf16_to_float(peak_bits), scale = peak / 127.0f;
+    constexpr float kRound = 12582912.0f;  // 1.5 2^23: v + kRound - kRound is v rounded to nearest even, |v| < 2^22
+    alignas(64) int8_t v[kBlock];
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const float scaled = peak > 0.0f ? bf16_to_float(x[j]) / scale : 0.0f;
+      const float rounded = (scaled + kRound) - kRound;
+      v[j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, rounded)));
+    }
+    sx[i] = scale;
+    for (int h = 0; h < 2; ++h) {
+      int32_t sum = 0;
+      for (int64_t j = 16 * h; j < 16 * h + 16; ++j) sum += v[j];
+      sums[h] = sum;
+    }
+    if (!nibble_order) {
+      std::memcpy(q, v, kBlock);
+      return;
+    }
+    for (int64_t o = 0; o < kBlock; o += 8)
+      for (int64_t j = 0; j < 4; ++j) {
+        q[o + j] = v[o + 2 * j];
+        q[o + 4 + j] = v[o + 2 * j + 1];
+      }
+  }
+};
+
 }  // namespace
 }  // namespace eaglespec
 
