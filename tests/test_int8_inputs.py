@@ -25,9 +25,11 @@ from test_kquant import (  # noqa: F401 (fixtures)
     random_q6_k,
 )
 
+from eaglespec import platform
 from eaglespec.api import Engine, TreeSettings
 from eaglespec.backends.cpu import kernels as bf16gemm
 from eaglespec.backends.cpu import kquant, q4, q6, stack
+from eaglespec.backends.cpu.apply import wants_int8_inputs
 from eaglespec.errors import EagleSpecError
 from eaglespec.targets import source
 from eaglespec.targets.fast import FastTarget, make_target
@@ -170,9 +172,10 @@ def test_speculative_decoding_with_int8_inputs_gives_plain_decodings_tokens(mixe
 
 @needs_kernel
 def test_a_draft_model_runs_int8_inputs_by_default_and_the_output_stays_the_targets(q4_k_model,  # noqa: F811
-                                                                                     mixed_model):  # noqa: F811
+                                                                                     mixed_model,  # noqa: F811
+                                                                                     monkeypatch):
     """A draft model's arithmetic changes which tokens it proposes, never the output: its block products take int8
-    inputs wherever they run, whatever the target's."""
+    inputs wherever they run, whatever the target's ($EAGLESPEC_DRAFT_INT8=0: bfloat16 ones)."""
     model, path = q4_k_model
     source.note_gguf(model, path)
     plain = Engine.from_model(model, TinyTokenizer(), method="vanilla")
@@ -183,6 +186,10 @@ def test_a_draft_model_runs_int8_inputs_by_default_and_the_output_stays_the_targ
         assert spec.drafter.model.activations == "int8"
         for prompt in PROMPTS:
             assert spec.generate(prompt, max_new_tokens=16).tokens == plain.generate(prompt, max_new_tokens=16).tokens
+    monkeypatch.setenv(bf16gemm.DRAFT_INT8_ENV, "0")
+    spec = Engine.from_model(model, TinyTokenizer(), method="sps", draft_hf_model=mixed_model,
+                             tree=TreeSettings(total_tokens=4, depth=3, top_k=1))
+    assert spec.drafter.model.activations == "bfloat16"
 
 
 @needs_kernel
@@ -197,3 +204,22 @@ def test_int8_inputs_need_block_weights():
         Engine.from_model(model, TinyTokenizer(), method="vanilla", activations="auto")  # (for draft models only)
     with pytest.raises(EagleSpecError, match="--activations int8 needs the fast path"):
         make_target(model, backend="hf", activations="int8")
+
+
+def test_drafts_take_int8_inputs_on_the_avx512_and_avx2_builds_not_the_amx_one(monkeypatch):
+    """`auto` (a draft model's): int8 where it measured faster; the AMX build's tiles make its bfloat16 rows cheap and
+    would not multiply int8 inputs (AVX-512 VNNI would). Asked for, int8 runs on every build."""
+    monkeypatch.setattr(bf16gemm, "amx_tiles_granted", lambda: True)
+    monkeypatch.delenv(bf16gemm.ISA_ENV, raising=False)
+    monkeypatch.delenv(q4.ENV, raising=False)
+    avx2 = {"avx", "avx2", "fma", "f16c"}
+    avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
+    try:
+        for flags, auto in ((avx512 | {"amx_tile", "amx_bf16"}, False), (avx512, True), (avx2, True)):
+            monkeypatch.setattr(platform, "cpu_flags", lambda flags=flags: set(flags))
+            bf16gemm.isa.cache_clear()
+            assert wants_int8_inputs("auto", bf16_gemm=True) is auto, flags
+            assert wants_int8_inputs("int8", bf16_gemm=True) and not wants_int8_inputs("bfloat16", bf16_gemm=True)
+            assert not wants_int8_inputs("auto", bf16_gemm=False)  # (no kernels: nothing to run them)
+    finally:
+        bf16gemm.isa.cache_clear()

