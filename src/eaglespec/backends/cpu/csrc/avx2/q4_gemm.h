@@ -295,23 +295,16 @@ void tile_rows_q8(const int8_t* xq, int64_t ldq, const float* sx, const float* x
   }
 }
 
-// All 32 columns of a group for any number of rows with int8 inputs, kTileRowsQ8 at a time -> acc [rows][kCols].
-// xq: the rows' int8 inputs (row stride ldq, in nibble order); sx, xsum [rows][blocks]: each block's scale and X.
+// All 32 columns of a group for any number of rows with int8 inputs, in near-equal tiles of at most kTileRowsQ8
+// rows -> acc [rows][kCols]. xq: the rows' int8 inputs (row stride ldq, in nibble order); sx, xsum [rows][blocks]:
+// each block's scale and X.
 template <typename Scales>
 void group_rows_q8(int64_t rows, const int8_t* xq, int64_t ldq, const float* sx, const float* xsum, int64_t blocks,
                    const uint8_t* group, float* acc) {
-  for (int64_t row = 0; row < rows; row += kTileRowsQ8) {
-    const int8_t* xr = xq + row * ldq;
-    const float* sr = sx + row * blocks;
-    const float* xs = xsum + row * blocks;
-    float* ar = acc + row * kCols;
-    switch (std::min<int64_t>(kTileRowsQ8, rows - row)) {
-      case 1: tile_rows_q8<Scales, 1>(xr, ldq, sr, xs, blocks, group, ar); break;
-      case 2: tile_rows_q8<Scales, 2>(xr, ldq, sr, xs, blocks, group, ar); break;
-      case 3: tile_rows_q8<Scales, 3>(xr, ldq, sr, xs, blocks, group, ar); break;
-      default: tile_rows_q8<Scales, 4>(xr, ldq, sr, xs, blocks, group, ar);
-    }
-  }
+  for_tiles<kTileRowsQ8>(rows, [&](int64_t row, auto r) {
+    tile_rows_q8<Scales, decltype(r)::value>(xq + row * ldq, ldq, sx + row * blocks, xsum + row * blocks, blocks,
+                                             group, acc + row * kCols);
+  });
 }
 
 }  // namespace avx2

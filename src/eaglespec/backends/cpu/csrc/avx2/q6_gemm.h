@@ -160,22 +160,15 @@ void tile_rows_q8(const int8_t* xq, int64_t ldq, const float* sx, const int32_t*
   }
 }
 
-// All 32 columns of a group for any number of rows with int8 inputs (in k order, row stride ldq), kTileRowsQ8 at a
-// time -> acc [rows][kCols]. sx [rows][blocks]: each 32 inputs' scale; sum16 [rows][2 blocks]: each 16 inputs' sum.
+// All 32 columns of a group for any number of rows with int8 inputs (in k order, row stride ldq), in near-equal
+// tiles of at most kTileRowsQ8 rows -> acc [rows][kCols]. sx [rows][blocks]: each 32 inputs' scale; sum16
+// [rows][2 blocks]: each 16 inputs' sum.
 void group_rows_q8(int64_t rows, const int8_t* xq, int64_t ldq, const float* sx, const int32_t* sum16,
                    int64_t blocks, const uint8_t* group, float* acc) {
-  for (int64_t row = 0; row < rows; row += kTileRowsQ8) {
-    const int8_t* xr = xq + row * ldq;
-    const float* sr = sx + row * blocks;
-    const int32_t* ss = sum16 + row * 2 * blocks;
-    float* ar = acc + row * kCols;
-    switch (std::min<int64_t>(kTileRowsQ8, rows - row)) {
-      case 1: tile_rows_q8<1>(xr, ldq, sr, ss, blocks, group, ar); break;
-      case 2: tile_rows_q8<2>(xr, ldq, sr, ss, blocks, group, ar); break;
-      case 3: tile_rows_q8<3>(xr, ldq, sr, ss, blocks, group, ar); break;
-      default: tile_rows_q8<4>(xr, ldq, sr, ss, blocks, group, ar);
-    }
-  }
+  for_tiles<kTileRowsQ8>(rows, [&](int64_t row, auto r) {
+    tile_rows_q8<decltype(r)::value>(xq + row * ldq, ldq, sx + row * blocks, sum16 + row * 2 * blocks, blocks, group,
+                                     acc + row * kCols);
+  });
 }
 
 }  // namespace avx2

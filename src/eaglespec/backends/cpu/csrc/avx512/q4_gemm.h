@@ -221,23 +221,10 @@ void tile_rows_q8(const int8_t* xq, int64_t ldq, const float* sx, const float* x
 template <typename Scales>
 void group_rows_q8(int64_t rows, const int8_t* xq, int64_t ldq, const float* sx, const float* xsum, int64_t blocks,
                    const uint8_t* group, float* acc) {
-  const int64_t tiles = (rows + kTileRowsQ8 - 1) / kTileRowsQ8;
-  for (int64_t t = 0, row = 0; t < tiles; ++t) {
-    const int64_t count = (rows - row) / (tiles - t);
-    const int8_t* xr = xq + row * ldq;
-    const float* sr = sx + row * blocks;
-    const float* xs = xsum + row * blocks;
-    float* ar = acc + row * kCols;
-    switch (count) {
-      case 1: tile_rows_q8<Scales, 1>(xr, ldq, sr, xs, blocks, group, ar); break;
-      case 2: tile_rows_q8<Scales, 2>(xr, ldq, sr, xs, blocks, group, ar); break;
-      case 3: tile_rows_q8<Scales, 3>(xr, ldq, sr, xs, blocks, group, ar); break;
-      case 4: tile_rows_q8<Scales, 4>(xr, ldq, sr, xs, blocks, group, ar); break;
-      case 5: tile_rows_q8<Scales, 5>(xr, ldq, sr, xs, blocks, group, ar); break;
-      default: tile_rows_q8<Scales, 6>(xr, ldq, sr, xs, blocks, group, ar);
-    }
-    row += count;
-  }
+  for_tiles<kTileRowsQ8>(rows, [&](int64_t row, auto r) {
+    tile_rows_q8<Scales, decltype(r)::value>(xq + row * ldq, ldq, sx + row * blocks, xsum + row * blocks, blocks,
+                                             group, acc + row * kCols);
+  });
 }
 
 // One group-block's q as float32 [32 k][32 columns] (k-major) into qf (for q4_unpack; not on a hot path).

@@ -183,23 +183,10 @@ void tile_rows_q8(const int8_t* xq, int64_t ldq, const float* sx, const int32_t*
 // [rows][2 blocks]: each 16 inputs' sum of xq.
 void group_rows_q8(int64_t rows, const int8_t* xq, int64_t ldq, const float* sx, const int32_t* sum16,
                    int64_t blocks, const uint8_t* group, float* acc) {
-  const int64_t tiles = (rows + kTileRowsQ8 - 1) / kTileRowsQ8;
-  for (int64_t t = 0, row = 0; t < tiles; ++t) {
-    const int64_t count = (rows - row) / (tiles - t);
-    const int8_t* xr = xq + row * ldq;
-    const float* sr = sx + row * blocks;
-    const int32_t* ss = sum16 + row * 2 * blocks;
-    float* ar = acc + row * kCols;
-    switch (count) {
-      case 1: tile_rows_q8<1>(xr, ldq, sr, ss, blocks, group, ar); break;
-      case 2: tile_rows_q8<2>(xr, ldq, sr, ss, blocks, group, ar); break;
-      case 3: tile_rows_q8<3>(xr, ldq, sr, ss, blocks, group, ar); break;
-      case 4: tile_rows_q8<4>(xr, ldq, sr, ss, blocks, group, ar); break;
-      case 5: tile_rows_q8<5>(xr, ldq, sr, ss, blocks, group, ar); break;
-      default: tile_rows_q8<6>(xr, ldq, sr, ss, blocks, group, ar);
-    }
-    row += count;
-  }
+  for_tiles<kTileRowsQ8>(rows, [&](int64_t row, auto r) {
+    tile_rows_q8<decltype(r)::value>(xq + row * ldq, ldq, sx + row * blocks, sum16 + row * 2 * blocks, blocks, group,
+                                     acc + row * kCols);
+  });
 }
 
 }  // namespace avx512

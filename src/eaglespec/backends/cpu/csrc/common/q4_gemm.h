@@ -48,20 +48,13 @@ constexpr float kNibbleScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0
 template <typename Scales>
 void linear_rows(const void* xs, const float* xsum, int64_t ldx, int64_t m, const uint8_t* wp,
                  int64_t groups, int64_t blocks, int64_t n, const float* bp, uint16_t* yp) {
-  at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kMaxM * kCols];
-    const isa::ChunkScope scope(m);  // (the AMX build: its tiles configured once for the chunk's groups)
-    for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* group = wp + g * Scales::group_bytes(blocks);
-      if (m > kPassRows)  // the same bits either way: the cheaper one for m rows (AVX-512: the same code)
-        isa::group_rows_wide<Scales>(m, xs, ldx, xsum, blocks, group, acc);
-      else
-        isa::group_rows<Scales>(m, xs, ldx, xsum, blocks, group, acc);
-      const int64_t col = g * kCols, columns = std::min(kCols, n - col);
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t c = 0; c < columns; ++c)
-          yp[r * n + col + c] = to_bf16(acc[r * kCols + c] + (bp ? bp[col + c] : 0.0f));
-    }
+  // (isa::ChunkScope: the AMX build's tiles configured once for a thread's groups)
+  for_groups<kCols, kMaxM, isa::ChunkScope>(m, groups, n, bp, yp, [&](int64_t g, float* acc) {
+    const uint8_t* group = wp + g * Scales::group_bytes(blocks);
+    if (m > kPassRows)  // the same bits either way: the cheaper one for m rows (AVX-512: the same code)
+      isa::group_rows_wide<Scales>(m, xs, ldx, xsum, blocks, group, acc);
+    else
+      isa::group_rows<Scales>(m, xs, ldx, xsum, blocks, group, acc);
   });
 }
 
@@ -122,16 +115,9 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n
 template <typename Scales>
 void linear_rows_q8(const Q8Rows& xq, int64_t row, int64_t m, const float* xsum, const uint8_t* wp, int64_t groups,
                     int64_t blocks, int64_t n, const float* bp, uint16_t* yp) {
-  at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kMaxM * kCols];
-    for (int64_t g = begin; g < end; ++g) {
-      isa::group_rows_q8<Scales>(m, xq.xq.get() + row * xq.k, xq.k, xq.sx.get() + row * blocks, xsum, blocks,
-                                 wp + g * Scales::group_bytes(blocks), acc);
-      const int64_t col = g * kCols, columns = std::min(kCols, n - col);
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t c = 0; c < columns; ++c)
-          yp[r * n + col + c] = to_bf16(acc[r * kCols + c] + (bp ? bp[col + c] : 0.0f));
-    }
+  for_groups<kCols, kMaxM, NoScope>(m, groups, n, bp, yp, [&](int64_t g, float* acc) {
+    isa::group_rows_q8<Scales>(m, xq.xq.get() + row * xq.k, xq.k, xq.sx.get() + row * blocks, xsum, blocks,
+                               wp + g * Scales::group_bytes(blocks), acc);
   });
 }
 

@@ -63,17 +63,9 @@ at::Tensor q6_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n
         xsum[i] = sum;
       }
     const void* rows_in = isa::kBf16Rows ? static_cast<const void*>(xp + row * k) : xf.get();
-    uint16_t* yr = yp + row * n;
-    at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
-      alignas(64) float acc[kMaxM * kCols];
-      const isa::ChunkScope scope(rows);  // (the AMX build: its tiles configured once for the chunk's groups)
-      for (int64_t g = begin; g < end; ++g) {
-        isa::group_rows(rows, rows_in, k, xsum.get(), blocks, wp + g * blocks * kBlockBytes, acc);
-        const int64_t col = g * kCols, columns = std::min(kCols, n - col);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t c = 0; c < columns; ++c)
-            yr[r * n + col + c] = to_bf16(acc[r * kCols + c] + (bp ? bp[col + c] : 0.0f));
-      }
+    // (isa::ChunkScope: the AMX build's tiles configured once for a thread's groups)
+    for_groups<kCols, kMaxM, isa::ChunkScope>(rows, groups, n, bp, yp + row * n, [&](int64_t g, float* acc) {
+      isa::group_rows(rows, rows_in, k, xsum.get(), blocks, wp + g * blocks * kBlockBytes, acc);
     });
   }
   return y;
@@ -101,17 +93,9 @@ at::Tensor q6_q8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_
   xq.quantize(xp, m, /*nibble_order=*/false);
   for (int64_t row = 0; row < m; row += kMaxM) {  // each row's sums are independent of the chunk it is in
     const int64_t rows = std::min(kMaxM, m - row);
-    uint16_t* yr = yp + row * n;
-    at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
-      alignas(64) float acc[kMaxM * kCols];
-      for (int64_t g = begin; g < end; ++g) {
-        isa::group_rows_q8(rows, xq.xq.get() + row * k, k, xq.sx.get() + row * blocks,
-                           xq.sum16.get() + row * 2 * blocks, blocks, wp + g * blocks * kBlockBytes, acc);
-        const int64_t col = g * kCols, columns = std::min(kCols, n - col);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t c = 0; c < columns; ++c)
-            yr[r * n + col + c] = to_bf16(acc[r * kCols + c] + (bp ? bp[col + c] : 0.0f));
-      }
+    for_groups<kCols, kMaxM, NoScope>(rows, groups, n, bp, yp + row * n, [&](int64_t g, float* acc) {
+      isa::group_rows_q8(rows, xq.xq.get() + row * k, k, xq.sx.get() + row * blocks,
+                         xq.sum16.get() + row * 2 * blocks, blocks, wp + g * blocks * kBlockBytes, acc);
     });
   }
   return y;

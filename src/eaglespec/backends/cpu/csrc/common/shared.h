@@ -29,6 +29,7 @@
 #include <memory>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace eaglespec {
@@ -66,6 +67,50 @@ inline at::Tensor float_bias(const std::optional<at::Tensor>& bias_in, int64_t n
 }
 
 inline const float* float_data(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+// f(std::integral_constant<int, R>{}) with R = count, for 1 <= count <= kMax: a row count known at run time as the
+// compile-time one a micro-kernel lays its registers out for.
+template <int kMax, typename F>
+inline void with_rows(int64_t count, const F& f) {
+  if constexpr (kMax > 1)
+    if (count < kMax) return with_rows<kMax - 1>(count, f);
+  f(std::integral_constant<int, kMax>{});
+}
+
+// Rows [0, rows) in near-equal tiles of at most kMax rows (8 rows in tiles of at most 6: 4 + 4, not 6 + 2):
+// f(first row, std::integral_constant<int, R>{}) for each tile of R rows, in order.
+template <int kMax, typename F>
+inline void for_tiles(int64_t rows, const F& f) {
+  const int64_t tiles = (rows + kMax - 1) / kMax;
+  for (int64_t t = 0, row = 0; t < tiles; ++t) {
+    const int64_t count = (rows - row) / (tiles - t);
+    with_rows<kMax>(count, [&](auto r) { f(row, r); });
+    row += count;
+  }
+}
+
+// What a thread sets up for its chunk of groups in for_groups where the micro-kernels need nothing.
+struct NoScope {
+  explicit NoScope(int64_t) {}
+};
+
+// y [m, n] (bfloat16, rounded once) = the kCols columns of each group g that `group(g, acc)` computes into acc
+// [m][kCols] (float32), plus bias (or none), over the groups on torch's threads; a Scope (the AMX build's tile
+// configuration, or NoScope) is made once per thread's chunk of groups. m <= kMaxRows.
+template <int64_t kCols, int64_t kMaxRows, typename Scope, typename F>
+void for_groups(int64_t m, int64_t groups, int64_t n, const float* bias, uint16_t* y, const F& group) {
+  at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kMaxRows * kCols];
+    const Scope scope(m);
+    for (int64_t g = begin; g < end; ++g) {
+      group(g, acc);
+      const int64_t col = g * kCols, columns = std::min(kCols, n - col);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = 0; c < columns; ++c)
+          y[r * n + col + c] = to_bf16(acc[r * kCols + c] + (bias ? bias[col + c] : 0.0f));
+    }
+  });
+}
 
 // A call's rows with their inputs as 8-bit integers, for the products with int8 activations (q4_q8_linear,
 // q6_q8_linear): per block of 32 inputs of a row, sx = max |x| / 127 and xq = x / sx rounded to the nearest integer
