@@ -75,16 +75,13 @@ bool check_packed(const at::Tensor& packed, int64_t n, int64_t k) {
 // bfloat16.
 at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
                      const std::optional<at::Tensor>& bias_in) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "q4_linear: x must be [M, K] bfloat16");
-  const int64_t m = x_in.size(0), k = x_in.size(1);
+  const ProductCall call(x_in, n, bias_in, "q4_linear");
+  const int64_t m = call.m, k = call.k;
   const bool super = check_packed(packed, n, k);
-  const at::Tensor x = x_in.contiguous();
-  const at::Tensor bias = float_bias(bias_in, n, "q4_linear");
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const float* bp = float_data(bias);
+  if (m == 0 || n == 0) return call.y;
+  const uint16_t* xp = call.xp();
+  uint16_t* yp = call.yp();
+  const float* bp = call.bp();
   const int64_t blocks = k / kBlockK, chunk = std::min(kMaxM, m);
   std::unique_ptr<float[]> xf(new float[chunk * k]), xs(new float[isa::kBf16Rows ? 0 : chunk * k]),
       xsum(new float[chunk * blocks]);
@@ -102,7 +99,7 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n
     (super ? linear_rows<isa::SuperScales> : linear_rows<isa::HalfScales>)(
         rows_in, xsum.get(), k, rows, packed.data_ptr<uint8_t>(), packed.size(0), blocks, n, bp, yp + row * n);
   }
-  return y;
+  return call.y;
 }
 
 // The same product with each row's inputs quantized to 8-bit integers per block of 32 (Q8Rows, common/shared.h),
@@ -124,26 +121,22 @@ void linear_rows_q8(const Q8Rows& xq, int64_t row, int64_t m, const float* xsum,
 // x [M, K] bfloat16, packed as for q4_linear, bias [n] or none -> [M, n] bfloat16, through int8 inputs.
 at::Tensor q4_q8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
                         const std::optional<at::Tensor>& bias_in) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "q4_q8_linear: x must be [M, K] bfloat16");
-  const int64_t m = x_in.size(0), k = x_in.size(1);
+  const ProductCall call(x_in, n, bias_in, "q4_q8_linear");
+  const int64_t m = call.m, k = call.k;
   const bool super = check_packed(packed, n, k);
-  const at::Tensor x = x_in.contiguous();
-  const at::Tensor bias = float_bias(bias_in, n, "q4_q8_linear");
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  if (m == 0 || n == 0) return call.y;
+  uint16_t* yp = call.yp();
   const int64_t blocks = k / kBlockK;
   Q8Rows xq(m, k);
-  xq.quantize(xp, m, /*nibble_order=*/true);
+  xq.quantize(call.xp(), m, /*nibble_order=*/true);
   std::unique_ptr<float[]> xsum(new float[m * blocks]);
   for (int64_t i = 0; i < m * blocks; ++i)  // X = sx sum xq: the block's input sum as the product sees the inputs
     xsum[i] = xq.sx[i] * static_cast<float>(xq.sum16[2 * i] + xq.sum16[2 * i + 1]);
   for (int64_t row = 0; row < m; row += kMaxM)  // each row's sums are independent of the chunk it is in
     (super ? linear_rows_q8<isa::SuperScales> : linear_rows_q8<isa::HalfScales>)(
         xq, row, std::min(kMaxM, m - row), xsum.get() + row * blocks, packed.data_ptr<uint8_t>(), packed.size(0),
-        blocks, n, float_data(bias), yp + row * n);
-  return y;
+        blocks, n, call.bp(), yp + row * n);
+  return call.y;
 }
 
 // The float32 weights [n, K] the packing holds, fmaf(d, q, m) (gguf's float32 dequantization): to check the

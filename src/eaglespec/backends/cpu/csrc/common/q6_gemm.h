@@ -39,16 +39,13 @@ void check_packed(const at::Tensor& packed, int64_t n, int64_t k) {
 // x [M, K] bfloat16, packed [ceil(n/32), K/32, 1024] uint8, bias [n] or none -> [M, n] bfloat16.
 at::Tensor q6_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
                      const std::optional<at::Tensor>& bias_in) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "q6_linear: x must be [M, K] bfloat16");
-  const int64_t m = x_in.size(0), k = x_in.size(1);
+  const ProductCall call(x_in, n, bias_in, "q6_linear");
+  const int64_t m = call.m, k = call.k;
   check_packed(packed, n, k);
-  const at::Tensor x = x_in.contiguous();
-  const at::Tensor bias = float_bias(bias_in, n, "q6_linear");
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const float* bp = float_data(bias);
+  if (m == 0 || n == 0) return call.y;
+  const uint16_t* xp = call.xp();
+  uint16_t* yp = call.yp();
+  const float* bp = call.bp();
   const int64_t blocks = k / kBlockK, groups = packed.size(0);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int64_t chunk = std::min(kMaxM, m), halves = k / kScaleK;
@@ -68,7 +65,7 @@ at::Tensor q6_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n
       isa::group_rows(rows, rows_in, k, xsum.get(), blocks, wp + g * blocks * kBlockBytes, acc);
     });
   }
-  return y;
+  return call.y;
 }
 
 // The same product with each row's inputs quantized to 8-bit integers per block of 32 (Q8Rows, common/shared.h):
@@ -77,16 +74,13 @@ at::Tensor q6_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n
 // build, each row's its own (row-invariant); see q4_q8_linear.
 at::Tensor q6_q8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
                         const std::optional<at::Tensor>& bias_in) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "q6_q8_linear: x must be [M, K] bfloat16");
-  const int64_t m = x_in.size(0), k = x_in.size(1);
+  const ProductCall call(x_in, n, bias_in, "q6_q8_linear");
+  const int64_t m = call.m, k = call.k;
   check_packed(packed, n, k);
-  const at::Tensor x = x_in.contiguous();
-  const at::Tensor bias = float_bias(bias_in, n, "q6_q8_linear");
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const float* bp = float_data(bias);
+  if (m == 0 || n == 0) return call.y;
+  const uint16_t* xp = call.xp();
+  uint16_t* yp = call.yp();
+  const float* bp = call.bp();
   const int64_t blocks = k / kBlockK, groups = packed.size(0);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   Q8Rows xq(m, k);
@@ -98,7 +92,7 @@ at::Tensor q6_q8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_
                          xq.sum16.get() + row * 2 * blocks, blocks, wp + g * blocks * kBlockBytes, acc);
     });
   }
-  return y;
+  return call.y;
 }
 
 // One group-block's weights s (q - 32) as float32 [32 k][32 columns] (k-major) into wf (for q6_unpack).

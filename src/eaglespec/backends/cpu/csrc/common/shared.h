@@ -68,6 +68,24 @@ inline at::Tensor float_bias(const std::optional<at::Tensor>& bias_in, int64_t n
 
 inline const float* float_data(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
+// What a packed product's operator starts with: x [M, K] bfloat16 (checked, made contiguous), its bias [n] (or none)
+// as float32, and the output y [M, n] bfloat16 to fill.
+struct ProductCall {
+  at::Tensor x, bias, y;
+  int64_t m, k;
+  ProductCall(const at::Tensor& x_in, int64_t n, const std::optional<at::Tensor>& bias_in, const char* op) {
+    TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, op, ": x must be [M, K] bfloat16");
+    x = x_in.contiguous();
+    m = x.size(0);
+    k = x.size(1);
+    bias = float_bias(bias_in, n, op);
+    y = at::empty({m, n}, x.options());
+  }
+  const uint16_t* xp() const { return reinterpret_cast<const uint16_t*>(x.data_ptr()); }
+  uint16_t* yp() const { return reinterpret_cast<uint16_t*>(y.data_ptr()); }
+  const float* bp() const { return float_data(bias); }
+};
+
 // f(std::integral_constant<int, R>{}) with R = count, for 1 <= count <= kMax: a row count known at run time as the
 // compile-time one a micro-kernel lays its registers out for.
 template <int kMax, typename F>
