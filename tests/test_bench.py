@@ -558,10 +558,14 @@ def test_cli_end_to_end_on_the_default_model(tmp_path, capsys):
     assert info["settings"]["model"] == "smollm2-135m" and info["settings"]["threads"] == 2
     assert info["settings"]["device"] == "cpu"
     from eaglespec.backends.cpu import kernels as bf16gemm
+    from eaglespec.backends.cpu.apply import wants_int8_inputs
 
     # the default: eaglespec's bfloat16 kernel wherever it runs (eager; --compile is not needed for it)
     kernel = bf16gemm.available(torch.bfloat16, "cpu")
     assert (info["settings"]["bf16_kernel"] is not None) == kernel
+    # what --activations auto chose, recorded as such: int8 inputs for the GGUF file's 4-bit blocks where faster
+    blocks = info["settings"]["q4_matrices"] + info["settings"]["q6_matrices"]
+    assert info["settings"]["activations"] == ("int8" if blocks and wants_int8_inputs("auto", kernel) else "bfloat16")
     assert main(argv) == 2  # refuses to overwrite without --force
     assert "--force" in capsys.readouterr().err
 

@@ -30,6 +30,7 @@ from eaglespec.api import Engine, TreeSettings
 from eaglespec.backends.cpu import kernels as bf16gemm
 from eaglespec.backends.cpu import kquant, q4, q6, stack
 from eaglespec.backends.cpu.apply import wants_int8_inputs
+from eaglespec.bench.methods import MethodContext, build_methods
 from eaglespec.errors import EagleSpecError
 from eaglespec.targets import source
 from eaglespec.targets.fast import FastTarget, make_target
@@ -171,6 +172,26 @@ def test_speculative_decoding_with_int8_inputs_gives_plain_decodings_tokens(mixe
 
 
 @needs_kernel
+def test_an_engine_takes_int8_inputs_for_a_gguf_model_where_they_measured_faster(mixed_model):  # noqa: F811
+    """`activations="auto"`, an engine's default (the CLI's and the bench's too): int8 inputs for a GGUF model's block
+    products on the kernels' AVX-512 and AVX2 builds, bfloat16 on the AMX build; the same tokens as asking for that
+    arithmetic, and speculative output equal to plain decoding's. The bench records what ran, not "auto"."""
+    want = "int8" if wants_int8_inputs("auto", bf16_gemm=True) else "bfloat16"
+    plain = Engine.from_model(mixed_model, TinyTokenizer(), method="vanilla")
+    spec = Engine.from_model(mixed_model, TinyTokenizer(), head=random_head(mixed_model, "eagle1").to(torch.bfloat16),
+                             method="eagle2", tree=TreeSettings(total_tokens=8, depth=3, top_k=3))
+    asked = Engine.from_model(mixed_model, TinyTokenizer(), method="vanilla", activations=want)
+    assert plain.target.activations == spec.target.activations == asked.target.activations == want
+    for prompt in PROMPTS:
+        tokens = plain.generate(prompt, max_new_tokens=20).tokens
+        assert spec.generate(prompt, max_new_tokens=20).tokens == tokens == asked.generate(prompt, max_new_tokens=20).tokens
+    ctx = MethodContext(model=mixed_model, tokenizer=TinyTokenizer(), model_name="tiny", tree=TreeSettings(4, 2, 2))
+    vanilla = build_methods([], ctx)[0]
+    assert vanilla.engine.target.activations == want
+    assert vanilla.settings.get("activations", "bfloat16") == want
+
+
+@needs_kernel
 def test_a_draft_model_runs_int8_inputs_by_default_and_the_output_stays_the_targets(q4_k_model,  # noqa: F811
                                                                                      mixed_model,  # noqa: F811
                                                                                      monkeypatch):
@@ -178,10 +199,10 @@ def test_a_draft_model_runs_int8_inputs_by_default_and_the_output_stays_the_targ
     inputs wherever they run, whatever the target's ($EAGLESPEC_DRAFT_INT8=0: bfloat16 ones)."""
     model, path = q4_k_model
     source.note_gguf(model, path)
-    plain = Engine.from_model(model, TinyTokenizer(), method="vanilla")
+    plain = Engine.from_model(model, TinyTokenizer(), method="vanilla", activations="bfloat16")
     for method in ("sps", "staged"):
         spec = Engine.from_model(model, TinyTokenizer(), method=method, draft_hf_model=mixed_model,
-                                 tree=TreeSettings(total_tokens=4, depth=3, top_k=1))
+                                 tree=TreeSettings(total_tokens=4, depth=3, top_k=1), activations="bfloat16")
         assert spec.target.activations == "bfloat16"
         assert spec.drafter.model.activations == "int8"
         for prompt in PROMPTS:
@@ -197,11 +218,10 @@ def test_int8_inputs_need_block_weights():
     model = make_cpu_model("qwen2", layers=1, hidden_size=64, intermediate_size=128).to(torch.bfloat16)
     with pytest.raises(EagleSpecError, match="applies to weights stored as 4-bit blocks or 6-bit codes"):
         FastTarget(model, "final", activations="int8")
-    assert FastTarget(model, "final", activations="auto").activations == "bfloat16"  # (a draft's default: no error)
-    with pytest.raises(EagleSpecError, match="unknown activations 'fp8'; use bfloat16 or int8"):
+    assert FastTarget(model, "final", activations="auto").activations == "bfloat16"  # (the default: no error)
+    assert Engine.from_model(model, TinyTokenizer(), method="vanilla").target.activations == "bfloat16"
+    with pytest.raises(EagleSpecError, match="unknown activations 'fp8'; use auto, bfloat16, int8"):
         make_target(model, activations="fp8")
-    with pytest.raises(EagleSpecError, match="unknown activations 'auto'"):
-        Engine.from_model(model, TinyTokenizer(), method="vanilla", activations="auto")  # (for draft models only)
     with pytest.raises(EagleSpecError, match="--activations int8 needs the fast path"):
         make_target(model, backend="hf", activations="int8")
 

@@ -472,6 +472,9 @@ def test_fast_path_features_are_the_rows_decoding_reads(tmp_path, data_file, tar
                 progress=False)
     with pytest.raises(EagleSpecError, match="--feature-path"):
         Trainer(config(tmp_path, data_file, feature_path="gpu"), target_model, tok, progress=False)
+    with pytest.raises(EagleSpecError, match="--activations int8"):  # (asked for, it reaches the fast target)
+        Trainer(config(tmp_path, data_file, feature_path="fast", activations="int8"), target_model, tok,
+                progress=False)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: a tied LM head and a scaled embedding

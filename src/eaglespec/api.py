@@ -100,7 +100,7 @@ class Engine:
         compile: bool = False,
         ngram: str | Path | None = "auto",
         extend: int | None = None,
-        activations: str | None = None,
+        activations: str = "auto",
     ):
         """`tree`: "auto" (EAGLE-2 / chain: this machine's cached calibration, else a default for its CPU class,
         refined while generating by the adaptive policy), "calibrate" (measure now, cache when undisturbed), explicit
@@ -122,9 +122,11 @@ class Engine:
         `extend` (EAGLE heads): up to this many stage-2 guesses (the context's n-grams, then `ngram`'s) added to each
         draft tree, as a chain from the root through the head's nodes they match, for the target to verify
         (eaglespec.drafters.eagle; 0: none; None: the registry model's default, 8 for qwen2.5-coder-1.5b, else 0).
-        `activations`: "bfloat16" (None, the default) or "int8": the target's 4-bit and 6-bit block products (a GGUF
-        model's weights) take int8 inputs, as llama.cpp's do (a slightly different model, decoded losslessly;
-        eaglespec.backends.cpu.apply.check_activations)."""
+        `activations`: what the target's 4-bit and 6-bit block products (a GGUF model's weights) multiply with:
+        "auto" (the default) int8 inputs where eaglespec's kernels run them faster (the AVX-512 and AVX2 builds), as
+        llama.cpp's do for the same file, else bfloat16; "int8" or "bfloat16" (the exact weights times the bfloat16
+        activations). Each is its own arithmetic for the model, decoded losslessly
+        (eaglespec.backends.cpu.apply.check_activations); `self.target.activations` is what runs."""
         if method not in METHODS:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
         if method in DRAFT_MODEL_METHODS and not draft_model:
@@ -163,7 +165,7 @@ class Engine:
                    tree: TreeSettings | str | None = None, draft_hf_model=None, backend: str = "auto",
                    adapt: bool = True, quantize: str | None = None, exact: bool | None = None,
                    compile: bool = False, ngram: str | Path | None = None, extend: int = 0,
-                   activations: str | None = None) -> "Engine":
+                   activations: str = "auto") -> "Engine":
         """Wrap an already loaded transformers model (and optionally a head, or a draft model for sps).
         `tree` as for `Engine()`, but None (the fixed defaults) by default. A head on another device than the model
         is moved to the model's (in place, as `nn.Module.to` does)."""
@@ -183,11 +185,11 @@ class Engine:
 
     def _setup(self, hf_model, tokenizer, head: DraftHead | None, method: str, tree: TreeSettings | str | None,
                head_name: str, backend: str = "auto", adapt: bool = True, quantize: str | None = None,
-               exact: bool | None = None, compile: bool = False, activations: str | None = None) -> None:
+               exact: bool | None = None, compile: bool = False, activations: str = "auto") -> None:
         if isinstance(tree, str) and tree not in ("auto", "calibrate"):
             raise EagleSpecError(f"tree must be 'auto', 'calibrate' or explicit settings, got '{tree}'")
         quantize = check_mode(quantize, next(hf_model.parameters()).device)  # "none" -> None
-        activations = check_activations(activations)  # ("auto" is a draft model's)
+        activations = check_activations(activations)
         feature_kind = None if head is None else ("eagle3" if head.config.kind == "eagle3" else "final")
         self.target = make_target(hf_model, feature_kind=feature_kind, backend=backend, quantize=quantize,
                                   exact=exact, compile=compile, activations=activations)

@@ -94,9 +94,8 @@ def model_options(p: argparse.ArgumentParser) -> None:
     e.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                    help="int8 / int4 weight-only target on a CPU (a slightly different model, decoded "
                         "losslessly)")
-    e.add_argument("--activations", default="bfloat16", choices=["bfloat16", "int8"],
-                   help="int8: a GGUF model's block products take int8 inputs, as llama.cpp's (faster; a "
-                        "slightly different model)")
+    e.add_argument("--activations", default="auto", choices=["auto", "bfloat16", "int8"],
+                   help="GGUF block products' inputs (auto: int8 where faster)")
     e.add_argument("--ngram", default="auto", metavar="FILE",
                    help="stage-2 n-gram model for staged or --extend (auto: the draft model's; none)")
     e.add_argument("--extend", type=int, default=None, metavar="N",
@@ -160,7 +159,7 @@ def check_engine_options(args: argparse.Namespace) -> None:
         raise EagleSpecError(CONFLICT)
     if getattr(args, "backend", "auto") == "hf":
         fast_only = ([f"--quantize {quantize}"] * (quantize != "none")
-                     + ["--activations int8"] * (getattr(args, "activations", "bfloat16") == "int8")
+                     + ["--activations int8"] * (getattr(args, "activations", "auto") == "int8")
                      + ["--exact"] * bool(getattr(args, "exact", None))
                      + ["--compile"] * bool(getattr(args, "compile", False)))
         if fast_only:

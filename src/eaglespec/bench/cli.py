@@ -216,7 +216,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         settings={"model": args.model, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                   "threads": torch.get_num_threads(),
                   "backend": getattr(args, "backend", "auto"), "quantize": args.quantize, "exact": args.exact,
-                  "activations": args.activations,
+                  # what our target's block products took: --activations auto resolved on this machine
+                  "activations": getattr(engine.target, "activations", "bfloat16"),
                   "compile": args.compile, "adapt": args.adapt,
                   "tree": tree if isinstance(tree, str) else {"total_tokens": tree.total_tokens,
                                                               "depth": tree.depth, "top_k": tree.top_k},
@@ -236,7 +237,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"bench: {len(questions)} questions, methods {', '.join(m.name for m in methods)} -> {out}",
           file=sys.stderr)
     print(f"bench: device {device}, dtype {config.settings['dtype']}, {torch.get_num_threads()} torch threads, "
-          f"backend {config.settings['backend']}, quantize {args.quantize}, activations {args.activations}, "
+          f"backend {config.settings['backend']}, quantize {args.quantize}, activations {config.settings['activations']}, "
           f"compile {args.compile}, bfloat16 kernel "
           f"{config.settings['bf16_kernel'] or '-'}, layer matrices as exact 4-bit blocks "
           f"{config.settings['q4_matrices']}, as 6-bit codes {config.settings['q6_matrices']} (our loop; peers run "

@@ -147,7 +147,7 @@ class MethodContext:
     draft_vocab: int | None = None  # EAGLE-1 head drafting subset (None = the head's default, 0 = full)
     quantize: str | None = None  # our loop's weight-only target quantization (see eaglespec.backends.cpu.quant)
     exact: bool | None = None  # verify rows bit-identical to one-token steps (None: on a CPU; fastpath.make_target)
-    activations: str = "bfloat16"  # what our target's 4-bit and 6-bit block products take (backends.cpu.apply)
+    activations: str = "auto"  # what our target's 4-bit and 6-bit block products take (backends.cpu.apply)
     compile: bool = False  # our loop's target decode steps through torch.compile (eaglespec.backends.cpu.compiled)
     adapt: bool = False  # with tree auto: also time each tree-auto method adaptively ("<method>+adapt")
     draft_model_name: str | None = None  # registry name or path of draft_model (the peers load it themselves)
@@ -300,8 +300,8 @@ def build_methods(names: list[str], ctx: MethodContext,
                                        exact=ctx.exact, compile=ctx.compile,
                                        ngram=ngram, extend=extend, activations=ctx.activations)
             settings = {"target": type(engine.target).__name__, "quantize": ctx.quantize}
-            if ctx.activations != "bfloat16":
-                settings["activations"] = ctx.activations
+            if getattr(engine.target, "activations", "bfloat16") != "bfloat16":  # (what "auto" chose)
+                settings["activations"] = engine.target.activations
             if extend:
                 settings["extend"] = extend
             if ngram is not None:

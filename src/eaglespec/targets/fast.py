@@ -112,8 +112,8 @@ class FastTarget(TargetModel):
         gets the same bits whatever else is in the step, so verify passes are exact. None = wherever available.
         `activations`: "bfloat16" (None) or "int8": the layers' 4-bit and 6-bit block products (a GGUF model's
         weights) quantize their inputs to int8 per block of 32 and multiply in integers, as llama.cpp does
-        (backends.cpu.apply.check_activations); other products keep bfloat16 inputs. "auto": int8 where those
-        products run (a draft model's default)."""
+        (backends.cpu.apply.check_activations); other products keep bfloat16 inputs. "auto" (an `Engine`'s
+        default): int8 where those products run and it measured faster. `self.activations` is what runs."""
         super().__init__(model, feature_kind)
         c = self.config
         self.n_heads = c.num_attention_heads
@@ -523,11 +523,12 @@ def make_target(model, feature_kind: str | None = "final", backend: str = "auto"
     where they run (bfloat16 on AVX-512 BF16 or AVX2 + FMA: no cost) and otherwise attends row by row (slower); None
     (the default) = exact wherever the fast path runs on a CPU; False = batched attention, as on a GPU.
     `compile`: decode steps through torch.compile (fast path only; compiles here, tens of seconds).
-    `activations`: "bfloat16" (None), "int8" (fast path only) or "auto" (FastTarget's)."""
+    `activations`: "bfloat16" (None), "int8" (fast path only) or "auto" (FastTarget's; bfloat16 where it does not
+    run)."""
     if backend not in ("auto", "fast", "hf"):
         raise EagleSpecError(f"unknown backend '{backend}'; use auto, fast or hf")
     quantize = check_quantize(quantize)
-    activations = check_activations(activations, auto=True)
+    activations = check_activations(activations)
     options = ([f"--quantize {quantize}"] * bool(quantize) + ["--exact"] * bool(exact) + ["--compile"] * compile
                + ["--activations int8"] * (activations == "int8"))
     fast = backend == "fast" or (backend == "auto" and supports(model))

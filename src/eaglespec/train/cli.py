@@ -145,7 +145,7 @@ def cmd_head(args: argparse.Namespace) -> int:
         eval_size=args.eval_size, eval_data=args.eval_data, eval_every=args.eval_every, save_every=args.save_every,
         log_every=args.log_every,
         seed=args.seed, cache_features=args.cache_features, feature_dtype=args.feature_dtype,
-        feature_path=args.feature_path,
+        feature_path=args.feature_path, activations=args.activations,
         save_dtype=args.save_dtype,
         mixed_precision=args.mixed_precision, time_budget_min=args.time_budget, ce_vocab=args.ce_vocab,
         init_head=args.init_head, reselect_vocab=args.reselect_vocab, intermediate_size=args.intermediate_size,
@@ -194,7 +194,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if fast:
         from ..targets.fast import make_target
 
-        features_from = make_target(model, kind, backend="fast")
+        features_from = make_target(model, kind, backend="fast", activations=args.activations)
     convs = [c for path in args.data for c in read_conversations(path)]
     examples = encode_dataset(tokenizer, convs, args.max_length)
     if args.limit is not None:
@@ -224,6 +224,9 @@ def register_eval(sub) -> None:
     v.add_argument("--feature-path", default="model", choices=["model", "fast"],
                    help="features from transformers' forward of the model, or from the decoding fast path (the rows "
                         "the head reads when drafting; see train head --feature-path)")
+    v.add_argument("--activations", default="auto", choices=["auto", "bfloat16", "int8"],
+                   help="with --feature-path fast: a GGUF model's block products' inputs, as generate's --activations "
+                        "(auto: int8 where faster)")
     v.add_argument("--out", default=None, help="also write the result as JSON here")
     v.set_defaults(func=cmd_eval)
 
@@ -295,6 +298,9 @@ def register_head(sub) -> None:
                    help="what computes the training features: transformers' forward of the model (--feature-dtype "
                         "applies), or the decoding fast path in bfloat16 (the kernels, a GGUF file's own 4-bit "
                         "blocks): then the head trains on exactly the rows it reads when drafting")
+    h.add_argument("--activations", default="auto", choices=["auto", "bfloat16", "int8"],
+                   help="with --feature-path fast: a GGUF model's block products' inputs, as generate's --activations "
+                        "(auto: int8 where faster)")
     h.add_argument("--mixed-precision", default="auto", choices=["auto", "no", "bf16", "fp16"],
                    help="auto = bf16 on a GPU (fp16 before Ampere), off on CPU")
     h.add_argument("--time-budget", type=float, default=None, metavar="MIN",

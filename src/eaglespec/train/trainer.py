@@ -81,6 +81,7 @@ class TrainConfig:
     cache_features: str | None = None  # folder for cached target features; None = online
     feature_dtype: str = "float32"  # what the target computes training features in (bfloat16: under autocast)
     feature_path: str = "model"  # "model": transformers' forward; "fast": the decoding fast path (see Trainer)
+    activations: str = "auto"  # with feature_path "fast": its block products' inputs, as decoding's (backends.cpu.apply)
     save_dtype: str = "float32"  # dtype of the final head's weights
     mixed_precision: str = "auto"  # auto = bf16 on GPU, none on CPU
     time_budget_min: float | None = None  # stop training (and write the head) after this many minutes
@@ -278,7 +279,8 @@ class Trainer:
             feature_model = copy.deepcopy(hf_model).to(torch.bfloat16)
             if source.gguf_file(hf_model) is not None:
                 source.note_gguf(feature_model, source.gguf_file(hf_model))
-        return make_target(feature_model.to(self.accelerator.device), self.target.feature_kind, backend="fast")
+        return make_target(feature_model.to(self.accelerator.device), self.target.feature_kind, backend="fast",
+                           activations=c.activations)
 
     def _feature_source_name(self) -> str:
         """What names a feature store besides its examples: the model and, for the fast path, its plan's

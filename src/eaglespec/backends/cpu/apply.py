@@ -213,19 +213,19 @@ def _from_packed(packed: Tensor, shape: tuple[int, int], bias: Tensor | None, in
     return kind.from_packed(packed, shape, bias, int8_inputs)
 
 
-ACTIVATIONS = ("bfloat16", "int8")  # what the 4-bit and 6-bit block products multiply the weights with
+ACTIVATIONS = ("auto", "bfloat16", "int8")  # what the 4-bit and 6-bit block products multiply the weights with
 
 
-def check_activations(activations: str | None, auto: bool = False) -> str:
-    """A valid `activations` choice ("bfloat16" for None), or a clear error. "int8": the 4-bit and 6-bit block
-    products (GGUF weights) quantize each row's inputs to 8-bit integers per block of 32 and multiply in integers,
-    as llama.cpp does: another arithmetic for the model, so an opt-in for a target (speculative decoding stays
-    exactly plain decoding of the same target, both running it). `auto` allows "auto": int8 where the products
-    run and it measured faster (not the AMX build), for models whose arithmetic does not reach the output (a draft
-    model's: drafters propose, the target decides)."""
+def check_activations(activations: str | None) -> str:
+    """A valid `activations` choice ("bfloat16" for None), or a clear error. "bfloat16": the 4-bit and 6-bit block
+    products (GGUF weights) multiply the exact weights with the bfloat16 activations. "int8": they quantize each
+    row's inputs to 8-bit integers per block of 32 and multiply in integers, as llama.cpp does for the same file:
+    another arithmetic for the model, decoded exactly (speculative decoding stays plain decoding of the same target,
+    both running it). "auto" (the engine's default): int8 where those products run and it measured faster, the
+    kernels' AVX-512 and AVX2 builds (`wants_int8_inputs`), else bfloat16."""
     activations = activations or "bfloat16"
-    if activations not in ACTIVATIONS + ("auto",) * auto:
-        raise EagleSpecError(f"unknown activations {activations!r}; use {' or '.join(ACTIVATIONS)}")
+    if activations not in ACTIVATIONS:
+        raise EagleSpecError(f"unknown activations {activations!r}; use {', '.join(ACTIVATIONS)}")
     return activations
 
 
@@ -250,7 +250,7 @@ def plan_target(dtype: torch.dtype, device: torch.device, head_dim: int, quantiz
     """Decide what a fast-path target with weights of `dtype` on `device` runs on; the arguments are FastTarget's
     (None = wherever available)."""
     quantize = check_mode(quantize, device)
-    activations = check_activations(activations, auto=True)
+    activations = check_activations(activations)
     can_kernel = quantize is None and kernels.available(dtype, device)
     if use_kernels and not can_kernel:
         raise EagleSpecError("eaglespec's kernels need bfloat16 weights on a CPU with AVX-512 BF16 or AVX2 + FMA, "
