@@ -237,7 +237,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"bench: {len(questions)} questions, methods {', '.join(m.name for m in methods)} -> {out}",
           file=sys.stderr)
     print(f"bench: device {device}, dtype {config.settings['dtype']}, {torch.get_num_threads()} torch threads, "
-          f"backend {config.settings['backend']}, quantize {args.quantize}, activations {config.settings['activations']}, "
+          f"backend {config.settings['backend']}, quantize {args.quantize}, "
+          f"activations {config.settings['activations']}, "
           f"compile {args.compile}, bfloat16 kernel "
           f"{config.settings['bf16_kernel'] or '-'}, layer matrices as exact 4-bit blocks "
           f"{config.settings['q4_matrices']}, as 6-bit codes {config.settings['q6_matrices']} (our loop; peers run "

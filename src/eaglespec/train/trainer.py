@@ -81,7 +81,7 @@ class TrainConfig:
     cache_features: str | None = None  # folder for cached target features; None = online
     feature_dtype: str = "float32"  # what the target computes training features in (bfloat16: under autocast)
     feature_path: str = "model"  # "model": transformers' forward; "fast": the decoding fast path (see Trainer)
-    activations: str = "auto"  # with feature_path "fast": its block products' inputs, as decoding's (backends.cpu.apply)
+    activations: str = "auto"  # with feature_path "fast": its block products' inputs, as decoding's (cpu.apply)
     save_dtype: str = "float32"  # dtype of the final head's weights
     mixed_precision: str = "auto"  # auto = bf16 on GPU, none on CPU
     time_budget_min: float | None = None  # stop training (and write the head) after this many minutes
