@@ -23,7 +23,8 @@ layer matrix; a GGUF file's Q6_K and Q5_0 tensors run as 6-bit codes (eaglespec.
 `int8_inputs` (`--activations int8`, and `auto`, the default, on the AVX-512 and AVX2 builds) multiplies the same
 packing through q4_q8_linear instead: each row's inputs quantized to 8-bit integers per block of 32 (llama.cpp's
 arithmetic), the block sums taken in integers (AVX-512 VNNI's vpdpbusd, AVX2's vpmaddubsw), the same bits on every
-build (docs/cpu.md, "Int8 inputs"). That is the product of the exact weights with rounded inputs: another arithmetic for the model.
+build (docs/cpu.md, "Int8 inputs"). That is the product of the exact weights with rounded inputs: another
+arithmetic for the model.
 """
 
 from __future__ import annotations
