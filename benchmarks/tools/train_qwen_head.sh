@@ -91,3 +91,21 @@ eaglespec train head --kind eagle3 --model qwen2.5-coder-1.5b \
   --feature-path fast --mixed-precision bf16 --init-head runs/qwen/head4/eagle3/head \
   --eval-steps 5 --batch-size 4 --lr 6e-4 --warmup-steps 50 --max-steps 1300 --eval-every 400 --save-every 100 \
   --save-dtype bfloat16 --threads 2 --draft-vocab-size 8192 --ttt-steps 3 --intermediate-size 2048 --time-budget 50
+
+# The sixth head (2026-11-30, a 2-core AMD EPYC Zen 5 with AVX-512 BF16, no AMX; shipped since as
+# src/eaglespec/shipped_heads/qwen2.5-coder-1.5b-eagle3): the fifth head trained on over answers 2,097-3,400 (new to it;
+# 2,097-2,136 were its held-out set), answers 3,401-3,440 held out, a fresh optimizer and a schedule of 1,400 steps.
+# Features from the fast path with the default `--activations auto` (int8 inputs to the block products there, as
+# decoding computes them): 1,344 conversations in about 12 minutes, then 1,400 steps in 30 minutes (about 1.2 s a
+# step), nothing else running. Held-out acc@1 0.410 / 0.453 / 0.474 / 0.488 at steps 350 / 700 / 1,050 / 1,400, against
+# the fifth head's 0.466 on the same answers (`eaglespec train eval ... --feature-path fast --steps 5`). Its bench:
+# benchmarks/runs/2026-11-30-zen5-1.5b-head6 (the same speed as the fifth, tau 4.30 against 4.03 on 8 HumanEval tasks).
+mkdir -p runs/qwen/head6
+gunzip -c data/qwen2.5-coder-1.5b/answers.jsonl.gz | sed -n 2097,3400p > runs/qwen/head6/answers-2097-3400.jsonl
+gunzip -c data/qwen2.5-coder-1.5b/answers.jsonl.gz | sed -n 3401,3440p > runs/qwen/head6/eval-3401-3440.jsonl
+eaglespec train head --kind eagle3 --model qwen2.5-coder-1.5b \
+  --data runs/qwen/head6/answers-2097-3400.jsonl --eval-data runs/qwen/head6/eval-3401-3440.jsonl \
+  --out runs/qwen/head6/eagle3 --max-length 768 --cache-features runs/qwen/head6/features \
+  --feature-path fast --mixed-precision bf16 --init-head runs/qwen/head5/eagle3/head \
+  --eval-steps 5 --batch-size 4 --lr 6e-4 --warmup-steps 50 --max-steps 1400 --eval-every 350 --save-every 100 \
+  --save-dtype bfloat16 --threads 2 --draft-vocab-size 8192 --ttt-steps 3 --intermediate-size 2048 --time-budget 45
