@@ -217,7 +217,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   "threads": torch.get_num_threads(),
                   "backend": getattr(args, "backend", "auto"), "quantize": args.quantize, "exact": args.exact,
                   # what our target's block products took: --activations auto resolved on this machine
-                  "activations": getattr(engine.target, "activations", "bfloat16"),
+                  "activations": engine.target.activations,
                   "compile": args.compile, "adapt": args.adapt,
                   "tree": tree if isinstance(tree, str) else {"total_tokens": tree.total_tokens,
                                                               "depth": tree.depth, "top_k": tree.top_k},

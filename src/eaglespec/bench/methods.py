@@ -300,7 +300,7 @@ def build_methods(names: list[str], ctx: MethodContext,
                                        exact=ctx.exact, compile=ctx.compile,
                                        ngram=ngram, extend=extend, activations=ctx.activations)
             settings = {"target": type(engine.target).__name__, "quantize": ctx.quantize}
-            if getattr(engine.target, "activations", "bfloat16") != "bfloat16":  # (what "auto" chose)
+            if engine.target.activations != "bfloat16":  # (what "auto" chose)
                 settings["activations"] = engine.target.activations
             if extend:
                 settings["extend"] = extend

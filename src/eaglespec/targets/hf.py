@@ -127,6 +127,7 @@ class TargetModel:
     """A causal LM with a tree-aware KV cache. One sequence at a time (batch size 1)."""
 
     quantize: str | None = None  # weight-only quantization of the linear layers (FastTarget only)
+    activations: str = "bfloat16"  # what GGUF block products multiply with ("int8": FastTarget only)
 
     def __init__(self, model, feature_kind: str | None = "final"):
         if feature_kind not in (None, *FEATURE_KINDS):

@@ -210,6 +210,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _activations_option(parser: argparse.ArgumentParser) -> None:
+    """`--activations` of `train head` and `train eval`: the fast path's block-product inputs, as decoding's."""
+    parser.add_argument("--activations", default="auto", choices=["auto", "bfloat16", "int8"],
+                        help="with --feature-path fast: a GGUF model's block products' inputs, as generate's "
+                             "--activations (auto: int8 where faster)")
+
+
 def register_eval(sub) -> None:
     v = sub.add_parser("eval", help="top-1 accuracy of a head's draft at steps 1..N on held-out conversations")
     _model_arg(v)
@@ -224,9 +231,7 @@ def register_eval(sub) -> None:
     v.add_argument("--feature-path", default="model", choices=["model", "fast"],
                    help="features from transformers' forward of the model, or from the decoding fast path (the rows "
                         "the head reads when drafting; see train head --feature-path)")
-    v.add_argument("--activations", default="auto", choices=["auto", "bfloat16", "int8"],
-                   help="with --feature-path fast: a GGUF model's block products' inputs, as generate's --activations "
-                        "(auto: int8 where faster)")
+    _activations_option(v)
     v.add_argument("--out", default=None, help="also write the result as JSON here")
     v.set_defaults(func=cmd_eval)
 
@@ -298,9 +303,7 @@ def register_head(sub) -> None:
                    help="what computes the training features: transformers' forward of the model (--feature-dtype "
                         "applies), or the decoding fast path in bfloat16 (the kernels, a GGUF file's own 4-bit "
                         "blocks): then the head trains on exactly the rows it reads when drafting")
-    h.add_argument("--activations", default="auto", choices=["auto", "bfloat16", "int8"],
-                   help="with --feature-path fast: a GGUF model's block products' inputs, as generate's --activations "
-                        "(auto: int8 where faster)")
+    _activations_option(h)
     h.add_argument("--mixed-precision", default="auto", choices=["auto", "no", "bf16", "fp16"],
                    help="auto = bf16 on a GPU (fp16 before Ampere), off on CPU")
     h.add_argument("--time-budget", type=float, default=None, metavar="MIN",
