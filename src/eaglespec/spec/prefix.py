@@ -16,7 +16,7 @@ prefix would compute, and every token after them is what reading the whole promp
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -34,11 +34,12 @@ class Stored:
     values: list[Tensor]
     features: Tensor | None
     keys_transposed: bool = False  # keys [kv_heads, head_dim, length]
+    hashes: list[int] = field(default_factory=list)  # the chained hash of each of its blocks (the last is its key)
+    nbytes: int = field(init=False)  # of its tensors, counted once: the budget adds and subtracts it
 
-    @property
-    def nbytes(self) -> int:
+    def __post_init__(self) -> None:
         tensors = [*self.keys, *self.values] + ([self.features] if self.features is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass
@@ -115,7 +116,7 @@ class PrefixCache:
         entry = Stored(tuple(prompt[:length]), keys, values, features, keys_transposed)
         if length % BLOCK or entry.nbytes > self.max_bytes:
             return
-        hashes = _block_hashes(prompt, length // BLOCK)
+        entry.hashes = hashes = _block_hashes(prompt, length // BLOCK)
         key = hashes[-1]
         if key in self.stored:
             self._drop(key)
@@ -138,6 +139,6 @@ class PrefixCache:
     def _drop(self, key: int) -> None:
         entry = self.stored.pop(key)
         self.bytes -= entry.nbytes
-        for h in _block_hashes(list(entry.tokens), len(entry.tokens) // BLOCK):
+        for h in entry.hashes:
             if self.prefixes.get(h) == key:
                 del self.prefixes[h]
