@@ -25,10 +25,10 @@ from test_kquant import (  # noqa: F401 (fixtures)
     random_q6_k,
 )
 
-from eaglespec import platform
+from eaglespec import cli, platform
 from eaglespec.api import Engine, TreeSettings
 from eaglespec.backends.cpu import kernels as bf16gemm
-from eaglespec.backends.cpu import kquant, q4, q6, stack
+from eaglespec.backends.cpu import apply, kquant, q4, q6, stack
 from eaglespec.backends.cpu.apply import wants_int8_inputs
 from eaglespec.bench.methods import MethodContext, build_methods
 from eaglespec.errors import EagleSpecError
@@ -223,6 +223,7 @@ def test_int8_inputs_need_block_weights():
     assert Engine.from_model(model, TinyTokenizer(), method="vanilla").target.activations == "bfloat16"
     with pytest.raises(EagleSpecError, match="unknown activations 'fp8'; use auto, bfloat16, int8"):
         make_target(model, activations="fp8")
+    assert cli.ACTIVATIONS == apply.ACTIVATIONS  # the command line's choices (spelled there to keep --help light)
     with pytest.raises(EagleSpecError, match="--activations int8 needs the fast path"):
         make_target(model, backend="hf", activations="int8")
 

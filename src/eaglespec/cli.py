@@ -26,6 +26,9 @@ EVERYDAY = "everyday options"
 ENGINE = "engine options (advanced)"
 ENGINE_DESCRIPTION = "their defaults suit most uses (README.md: 'What the defaults do')"
 TREE_USAGE = "--tree takes auto, calibrate or TOTAL,DEPTH,TOP_K such as 16,5,4"
+# what a GGUF model's block products multiply the weights with (backends.cpu.apply.ACTIVATIONS; a test keeps the
+# two equal: the command line spells them here so that --help loads no torch)
+ACTIVATIONS = ("auto", "bfloat16", "int8")
 
 
 def positive_int(text: str) -> int:
@@ -94,7 +97,7 @@ def model_options(p: argparse.ArgumentParser) -> None:
     e.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                    help="int8 / int4 weight-only target on a CPU (a slightly different model, decoded "
                         "losslessly)")
-    e.add_argument("--activations", default="auto", choices=["auto", "bfloat16", "int8"],
+    e.add_argument("--activations", default="auto", choices=ACTIVATIONS,
                    help="GGUF block products' inputs (auto: int8 where faster)")
     e.add_argument("--ngram", default="auto", metavar="FILE",
                    help="stage-2 n-gram model for staged or --extend (auto: the draft model's; none)")

@@ -212,7 +212,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _activations_option(parser: argparse.ArgumentParser) -> None:
     """`--activations` of `train head` and `train eval`: the fast path's block-product inputs, as decoding's."""
-    parser.add_argument("--activations", default="auto", choices=["auto", "bfloat16", "int8"],
+    from ..cli import ACTIVATIONS
+
+    parser.add_argument("--activations", default="auto", choices=ACTIVATIONS,
                         help="with --feature-path fast: a GGUF model's block products' inputs, as generate's "
                              "--activations (auto: int8 where faster)")
 
