@@ -6,21 +6,14 @@
 #pragma once
 
 #include "../common/shared.h"
+#include "bf16_gemm.h"
 #include "tree_attention.h"
 
 namespace eaglespec::stack {
 namespace {
 namespace avx2 {
 
-// float32 -> bfloat16 bits in the low halves of 32-bit lanes, rounded to nearest even; NaN a quiet NaN (to_bf16).
-inline __m256i round_bf16(__m256 value) {
-  const __m256i bits = _mm256_castps_si256(value);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))),
-                                            16);
-  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
-  return _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(value, value, _CMP_UNORD_Q)));
-}
+using bf16::avx2::round_bf16;  // (bf16_gemm.h)
 
 // 8 bfloat16 values as float32 (exact).
 inline __m256 widen8(const uint16_t* p) {

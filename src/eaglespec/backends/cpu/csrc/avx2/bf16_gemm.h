@@ -150,15 +150,21 @@ void widened_rows(int64_t rows, const float* x, int64_t ldx, const float* wf, in
   }
 }
 
-// float32 -> bfloat16 bits, rounded to nearest even (as vcvtneps2bf16); NaN stays a quiet NaN.
-inline __m128i to_bf16(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+// float32 -> bfloat16 bits in the low halves of 32-bit lanes, rounded to nearest even (as vcvtneps2bf16); NaN a
+// quiet NaN.
+inline __m256i round_bf16(__m256 value) {
+  const __m256i bits = _mm256_castps_si256(value);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))),
+                                            16);
   const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
-  rounded = _mm256_blendv_epi8(rounded, quiet, nan);
+  return _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(value, value, _CMP_UNORD_Q)));
+}
+
+// float32 -> 8 packed bfloat16 values (round_bf16).
+inline __m128i to_bf16(__m256 v) {
   // 32-bit lanes holding 16-bit values -> 8 packed halves (packus works per 128-bit lane: fix the order after)
+  const __m256i rounded = round_bf16(v);
   const __m256i packed = _mm256_packus_epi32(rounded, rounded);
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
