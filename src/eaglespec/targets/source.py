@@ -174,15 +174,22 @@ def evict(model: nn.Module, parameter: nn.Parameter) -> None:
                            equal_to_file=True)
 
 
-def _matches_stored(source: _Source, name: str, parameter: Tensor, stored: dict[str, Path]) -> bool:
-    """Whether `parameter` (named `name` in the model) is unchanged since loading and equal to its stored copy."""
+def _matching_stored(source: _Source, name: str, parameter: Tensor, stored: dict[str, Path]) -> Tensor | None:
+    """`parameter`'s stored copy (named `name` in the model, read from its file) where the parameter is unchanged
+    since loading and equal to it; None otherwise."""
     if name not in stored or parameter._version != source.versions.get(name):
-        return False
+        return None
     from safetensors import safe_open
 
     with safe_open(str(stored[name]), framework="pt") as handle:
         saved = handle.get_tensor(name)
-    return saved.shape == parameter.shape and torch.equal(saved.to(parameter.dtype), parameter.detach().cpu())
+    equal = saved.shape == parameter.shape and torch.equal(saved.to(parameter.dtype), parameter.detach().cpu())
+    return saved if equal else None
+
+
+def _matches_stored(source: _Source, name: str, parameter: Tensor, stored: dict[str, Path]) -> bool:
+    """Whether `parameter` (named `name` in the model) is unchanged since loading and equal to its stored copy."""
+    return _matching_stored(source, name, parameter, stored) is not None
 
 
 def stored_copy(model: nn.Module, parameter: nn.Parameter, dtype: torch.dtype = torch.float32) -> Tensor | None:
@@ -193,13 +200,8 @@ def stored_copy(model: nn.Module, parameter: nn.Parameter, dtype: torch.dtype = 
     name = {id(p): name for name, p in model.named_parameters()}.get(id(parameter))
     if source is None or name is None:
         return None
-    stored = _stored_names(source.files)
-    if not _matches_stored(source, name, parameter, stored):
-        return None
-    from safetensors import safe_open
-
-    with safe_open(str(stored[name]), framework="pt") as handle:
-        return handle.get_tensor(name).to(dtype=dtype, device=parameter.device)
+    saved = _matching_stored(source, name, parameter, _stored_names(source.files))
+    return None if saved is None else saved.to(dtype=dtype, device=parameter.device)
 
 
 def released_bytes(model: nn.Module) -> int:
