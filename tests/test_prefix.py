@@ -10,15 +10,16 @@ from test_batch import ForwardSpy, batch_one, drain, make_engine, needs_kernels
 
 from eaglespec.spec import prefix as prefix_module
 from eaglespec.spec.prefix import BLOCK, PrefixCache
+from eaglespec.targets.cache_rows import CacheRows
 
 SHARED = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19]  # 20 tokens: 2 blocks + 4
 PROMPTS = [SHARED + [7, 1], SHARED + [9, 9, 4, 2, 71, 6, 6, 6, 6, 1], SHARED[:17] + [12], SHARED + [7, 1], [5, 6]]
 NEWS = [12, 9, 14, 12, 6]
 
 
-def rows(length: int, value: float = 0.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def rows(length: int, value: float = 0.0) -> CacheRows:
     """One layer's keys and values [kv_heads=2, length, head_dim=4]."""
-    return [torch.full((2, length, 4), value)], [torch.full((2, length, 4), value + 1)]
+    return CacheRows([torch.full((2, length, 4), value)], [torch.full((2, length, 4), value + 1)])
 
 
 def test_lookup_finds_the_longest_whole_blocks_short_of_the_last_token():
@@ -26,10 +27,10 @@ def test_lookup_finds_the_longest_whole_blocks_short_of_the_last_token():
     prompt = list(range(100, 100 + 3 * BLOCK + 2))
     assert cache.lookup(prompt, needs_features=False) is None
     assert cache.blocks_to_store(prompt) == 3 * BLOCK
-    cache.store(prompt, *rows(3 * BLOCK), features=torch.ones(3 * BLOCK, 5))
+    cache.store(prompt, rows(3 * BLOCK), features=torch.ones(3 * BLOCK, 5))
     assert cache.blocks_to_store(prompt) == 0  # held already
     hit = cache.lookup(prompt, needs_features=True)
-    assert hit.length == 3 * BLOCK and hit.values[0].shape == (2, 3 * BLOCK, 4) and hit.features.shape == (24, 5)
+    assert hit.length == 3 * BLOCK and hit.rows.values[0].shape == (2, 3 * BLOCK, 4) and hit.features.shape == (24, 5)
     # a prompt of exactly three blocks reads its last token: two blocks come from the cache
     assert cache.lookup(prompt[: 3 * BLOCK], needs_features=False).length == 2 * BLOCK
     # sharing one block and a half: one block
@@ -41,7 +42,7 @@ def test_lookup_finds_the_longest_whole_blocks_short_of_the_last_token():
 def test_a_hit_needs_the_features_the_drafter_reads_and_the_same_tokens(monkeypatch):
     cache = PrefixCache()
     prompt = list(range(2 * BLOCK + 1))
-    cache.store(prompt, *rows(2 * BLOCK), features=None)
+    cache.store(prompt, rows(2 * BLOCK), features=None)
     assert cache.lookup(prompt, needs_features=True) is None
     assert cache.lookup(prompt, needs_features=False).length == 2 * BLOCK
     # every block hashing alike (a collision): another prompt must not get these rows
@@ -50,19 +51,33 @@ def test_a_hit_needs_the_features_the_drafter_reads_and_the_same_tokens(monkeypa
 
 
 def test_the_least_recently_used_prompts_go_first_within_the_budget():
-    entry = sum(t.numel() * t.element_size() for t in (*rows(BLOCK)[0], *rows(BLOCK)[1]))
+    entry = rows(BLOCK).nbytes
     cache = PrefixCache(max_bytes=2 * entry)
     a, b, c = ([base + i for i in range(BLOCK + 1)] for base in (0, 100, 200))
-    cache.store(a, *rows(BLOCK), features=None)
-    cache.store(b, *rows(BLOCK), features=None)
+    cache.store(a, rows(BLOCK), features=None)
+    cache.store(b, rows(BLOCK), features=None)
     assert cache.lookup(a, needs_features=False) is not None  # a is now the most recently used
-    cache.store(c, *rows(BLOCK), features=None)
+    cache.store(c, rows(BLOCK), features=None)
     assert cache.bytes == 2 * entry
     assert cache.lookup(b, needs_features=False) is None
     assert cache.lookup(a, needs_features=False) is not None and cache.lookup(c, needs_features=False) is not None
     assert PrefixCache(max_bytes=0).blocks_to_store(a) == 0
     with pytest.raises(ValueError, match="0 or more bytes"):
         PrefixCache(max_bytes=-1)
+
+
+def test_cache_rows_take_a_prefix_in_their_own_key_layout():
+    values = [torch.arange(2 * 6 * 4.0).reshape(2, 6, 4)]  # [kv_heads, length=6, head_dim]
+    keys = [torch.arange(2 * 4 * 6.0).reshape(2, 4, 6)]  # [kv_heads, head_dim, length]: the kernel's layout
+    first = CacheRows(keys, values, keys_transposed=True).prefix(3)
+    assert first.length == 3 and first.keys_transposed
+    assert torch.equal(first.keys[0], keys[0][:, :, :3]) and torch.equal(first.values[0], values[0][:, :3])
+    plain = CacheRows([k.transpose(1, 2) for k in keys], values)
+    assert torch.equal(plain.prefix(3).keys[0], first.keys[0].transpose(1, 2))
+    assert plain.prefix(3).nbytes == first.nbytes == 2 * 2 * 3 * 4 * 4
+    for length in (0, 7):
+        with pytest.raises(ValueError, match=f"cannot take {length} rows of 6"):
+            plain.prefix(length)
 
 
 @needs_kernels
@@ -112,12 +127,16 @@ def test_rows_loaded_from_a_prompt_read_before_are_the_rows_reading_them_gives(a
     whole, loaded = pool.acquire(), pool.acquire()
     read = pool.forward([(whole, prompt, None, None, slice(-1, None))])[0]
     pool[whole].commit()
-    pool[loaded].load_rows(*pool[whole].cached_rows(length))
+    stored = pool[whole].cached_rows(length)
+    with pytest.raises(ValueError, match="another key layout"):
+        pool[loaded].load_rows(CacheRows(stored.keys, stored.values, not stored.keys_transposed))
+    pool[loaded].load_rows(stored)
     rest = pool.forward([(loaded, prompt[length:], None, None, slice(-1, None))])[0]
     pool[loaded].commit()
     assert pool[loaded].cache_len == pool[whole].cache_len == len(prompt)
-    for a, b in zip(pool[whole].cached_rows(len(prompt)), pool[loaded].cached_rows(len(prompt))):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    a, b = pool[whole].cached_rows(len(prompt)), pool[loaded].cached_rows(len(prompt))
+    assert a.keys_transposed == b.keys_transposed
+    assert all(torch.equal(x, y) for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values)))
     assert torch.equal(rest.features, read.features[length:])
     assert torch.equal(rest.logits, read.logits)
 
@@ -139,7 +158,7 @@ def test_the_batched_server_worker_forgets_the_prompts_between_steps_when_asked(
     engine = make_engine("vanilla", "qwen2", torch.bfloat16)
     worker = BatchWorker(engine, ServerMetrics("tiny"), max_batch=2)
     prefixes = worker.batch.prefixes
-    prefixes.store(SHARED, *rows(2 * BLOCK), features=None)
+    prefixes.store(SHARED, rows(2 * BLOCK), features=None)
     worker.start()
     try:
         assert worker.reset_prefix_cache()

@@ -180,7 +180,7 @@ class BatchDecoder:
         entry = self.prefilling[key] = _Active(key, slot, seq, drafter, time.perf_counter())
         hit = self.prefixes.lookup(prompt_ids, drafter.needs_features) if self.prefixes is not None else None
         if hit is not None:  # those rows as reading them would give them (spec/prefix.py)
-            self.pool[slot].load_rows(hit.keys, hit.values)
+            self.pool[slot].load_rows(hit.rows)
             entry.read = hit.length
             entry.pieces.append(TargetOutput(None, hit.features))
             return hit.length
@@ -213,10 +213,8 @@ class BatchDecoder:
         del self.prefilling[e.key]
         read = TargetOutput.join(e.pieces + [out], heads="last")  # features [P, F] as one forward gives them
         if self.prefixes is not None and (length := self.prefixes.blocks_to_store(e.seq.prompt_ids)):
-            target = self.pool[e.slot]
-            self.prefixes.store(e.seq.prompt_ids, *target.cached_rows(length),
-                                None if read.features is None else read.features[:length].clone(),
-                                keys_transposed=target.keys_transposed)
+            self.prefixes.store(e.seq.prompt_ids, self.pool[e.slot].cached_rows(length),
+                                None if read.features is None else read.features[:length].clone())
         e.seq.start(read, time.perf_counter() - e.started)
         e.pieces = []
         report.prefills += 1

@@ -20,26 +20,26 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from ..targets.cache_rows import CacheRows
+
 BLOCK = 8  # tokens per block: prefixes are reused in whole blocks
 DEFAULT_BYTES = 256 * 2**20  # the cache's budget of stored rows
 
 
 @dataclass
 class Stored:
-    """A prompt's first `length` rows: its tokens, per layer keys and values (`FastTarget.cached_rows`) and the
+    """A prompt's first `rows.length` rows: its tokens, the target's cache rows (`FastTarget.cached_rows`) and the
     draft head's features [length, F] (None where the drafter reads none)."""
 
     tokens: tuple[int, ...]
-    keys: list[Tensor]
-    values: list[Tensor]
+    rows: CacheRows
     features: Tensor | None
-    keys_transposed: bool = False  # keys [kv_heads, head_dim, length]
     hashes: list[int] = field(default_factory=list)  # the chained hash of each of its blocks (the last is its key)
     nbytes: int = field(init=False)  # of its tensors, counted once: the budget adds and subtracts it
 
     def __post_init__(self) -> None:
-        tensors = [*self.keys, *self.values] + ([self.features] if self.features is not None else [])
-        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        features = 0 if self.features is None else self.features.numel() * self.features.element_size()
+        self.nbytes = self.rows.nbytes + features
 
 
 @dataclass
@@ -47,8 +47,7 @@ class Hit:
     """`length` rows of a stored prompt that a new prompt starts with."""
 
     length: int
-    keys: list[Tensor]
-    values: list[Tensor]
+    rows: CacheRows
     features: Tensor | None
 
 
@@ -90,9 +89,7 @@ class PrefixCache:
             self.stored.move_to_end(key)
             self.hits += 1
             self.rows_reused += length
-            return Hit(length, [k[..., :length] if entry.keys_transposed else k[:, :length] for k in entry.keys],
-                       [v[:, :length] for v in entry.values],
-                       None if entry.features is None else entry.features[:length])
+            return Hit(length, entry.rows.prefix(length), None if entry.features is None else entry.features[:length])
         return None
 
     def blocks_to_store(self, prompt: list[int]) -> int:
@@ -108,12 +105,11 @@ class PrefixCache:
             return 0
         return blocks * BLOCK
 
-    def store(self, prompt: list[int], keys: list[Tensor], values: list[Tensor], features: Tensor | None,
-              keys_transposed: bool = False) -> None:
-        """Keep the rows of the first `values[0].shape[1]` (a whole number of blocks) tokens of `prompt`; the least
-        recently used entries go to make room."""
-        length = values[0].shape[1]
-        entry = Stored(tuple(prompt[:length]), keys, values, features, keys_transposed)
+    def store(self, prompt: list[int], rows: CacheRows, features: Tensor | None) -> None:
+        """Keep the rows of the first `rows.length` (a whole number of blocks) tokens of `prompt`; the least recently
+        used entries go to make room."""
+        length = rows.length
+        entry = Stored(tuple(prompt[:length]), rows, features)
         if length % BLOCK or entry.nbytes > self.max_bytes:
             return
         entry.hashes = hashes = _block_hashes(prompt, length // BLOCK)

@@ -47,6 +47,7 @@ from torch import Tensor
 from ..backends.cpu.apply import check_activations, check_quantize, plan_target
 from ..errors import EagleSpecError
 from . import source
+from .cache_rows import CacheRows
 from .hf import TargetModel, TargetOutput
 from .layers import Linear, decoder_layer, rms_norm, write_and_attend
 from .traffic import tensor_bytes
@@ -278,27 +279,27 @@ class FastTarget(TargetModel):
             self.cache_len += m
         self._pending = 0
 
-    def cached_rows(self, length: int) -> tuple[list[Tensor], list[Tensor]]:
-        """Copies of the first `length` committed rows of every layer's cache: (keys, values), per layer
-        [kv_heads, length, head_dim] ([kv_heads, head_dim, length] with `keys_transposed`)."""
+    def cached_rows(self, length: int) -> CacheRows:
+        """Copies of the first `length` committed rows of every layer's cache."""
         if not 0 < length <= self.cache_len:
             raise ValueError(f"cannot copy {length} rows of a cache of {self.cache_len} committed rows")
-        keys = [(k[..., :length] if self.keys_transposed else k[:, :length]).clone() for k in self.layer_keys]
-        return keys, [v[:, :length].clone() for v in self.layer_values]
+        rows = CacheRows(self.layer_keys, self.layer_values, self.keys_transposed).prefix(length)
+        return CacheRows([k.clone() for k in rows.keys], [v.clone() for v in rows.values], self.keys_transposed)
 
     @torch.inference_mode()
-    def load_rows(self, keys: list[Tensor], values: list[Tensor]) -> None:
-        """Make the cache hold exactly the rows given (`cached_rows`' layout, of a target of the same model and plan):
-        a prompt's prefix read before, whose rows this target would compute with the same bits."""
+    def load_rows(self, rows: CacheRows) -> None:
+        """Make the cache hold exactly the rows given (`cached_rows` of a target of the same model and plan): a
+        prompt's prefix read before, whose rows this target would compute with the same bits."""
         if self._pending:
             raise RuntimeError("commit() the previous forward before loading rows")
-        length = values[0].shape[1]
+        if rows.keys_transposed != self.keys_transposed:
+            raise ValueError("rows from a cache of another key layout: load rows from a target of the same plan")
+        length = rows.length
         if length > self.capacity:
             self._grow(max(min(self.max_context, 2 * self.capacity), length))
-        for cache, rows in zip(self.layer_keys, keys):
-            (cache[..., :length] if self.keys_transposed else cache[:, :length]).copy_(rows)
-        for cache, rows in zip(self.layer_values, values):
-            cache[:, :length].copy_(rows)
+        held = CacheRows(self.layer_keys, self.layer_values, self.keys_transposed).prefix(length)
+        for cache, stored in zip((*held.keys, *held.values), (*rows.keys, *rows.values)):
+            cache.copy_(stored)
         self.cache_len = length
 
     def truncate(self, length: int) -> None:

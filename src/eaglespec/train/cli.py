@@ -173,11 +173,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from ..heads import check_head_fits, load_head
     from ..models import load_target
-    from ..targets import source
     from ..targets.hf import TargetModel
     from .data import encode_dataset, read_conversations
     from .evaluate import draft_accuracy, format_accuracy
     from .features import OnlineFeatures
+    from .trainer import float32_ends
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -200,8 +200,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.limit is not None:
         examples = examples[: args.limit]
     # (labels from the LM head in float32, as training computes them)
-    result = draft_accuracy(head, target.ends().in_float32(lambda weight: source.stored_copy(model, weight)),
-                            OnlineFeatures(features_from, examples),
+    result = draft_accuracy(head, float32_ends(target, model), OnlineFeatures(features_from, examples),
                             list(range(len(examples))), args.steps)
     print(f"{len(examples)} conversations: {format_accuracy(result)}")
     if args.out:

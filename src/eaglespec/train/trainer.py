@@ -35,7 +35,7 @@ from ..heads import (
 )
 from ..platform import gpu_lacks_native_bf16
 from ..targets import source
-from ..targets.hf import TargetModel
+from ..targets.hf import TargetEnds, TargetModel
 from .data import Example, encode_files, read_conversations
 from .evaluate import draft_accuracy, format_accuracy, log_jsonl
 from .features import CachedFeatures, OnlineFeatures, open_feature_stores
@@ -168,6 +168,13 @@ def read_state(folder: Path) -> dict:
         raise CheckpointError(f"training state '{folder / 'state.pt'}' is corrupt or unreadable ({exc})") from exc
 
 
+def float32_ends(target: TargetModel, model: torch.nn.Module) -> TargetEnds:
+    """What training's inputs and labels read of the target: its embedding and LM head in float32, the checkpoint's
+    own values where it stores float32 ones (`targets.source.stored_copy`), even where `model` is the bfloat16 one
+    the fast path computes features with."""
+    return target.ends().in_float32(lambda weight: source.stored_copy(model, weight))
+
+
 # ---- the loop --------------------------------------------------------------------------------------------
 
 def auto_mixed_precision() -> str:
@@ -200,9 +207,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         self.target = TargetModel(hf_model.to(self.accelerator.device),
                                   feature_kind="eagle3" if config.kind == "eagle3" else "final")
-        # what the losses read of the target: its embedding and LM head, in float32 (inputs and labels) even where the
-        # model is the bfloat16 one the fast path computes features with
-        self.ends = self.target.ends().in_float32(lambda weight: source.stored_copy(hf_model, weight))
+        self.ends = float32_ends(self.target, hf_model)  # what the losses read of the target
         self.feature_target = self._feature_target(hf_model, feature_model)  # what computes the features
 
         eval_files = config.eval_data or []

@@ -80,13 +80,10 @@ void tile_part(const float* x, int64_t ldx, const uint16_t* group, int64_t col0,
 // Rows [0, rows) of x, 3 <= rows <= 6, as one tile of 16 columns (tile_part).
 void narrow_rows(int64_t rows, const float* x, int64_t ldx, const uint16_t* group, int64_t col0, int64_t p0,
                  int64_t p1, float* acc_mem) {
-  switch (rows) {
-    case 3: return tile_part<3, 2>(x, ldx, group, col0, p0, p1, acc_mem);
-    case 4: return tile_part<4, 2>(x, ldx, group, col0, p0, p1, acc_mem);
-    case 5: return tile_part<5, 2>(x, ldx, group, col0, p0, p1, acc_mem);
-    case 6: return tile_part<6, 2>(x, ldx, group, col0, p0, p1, acc_mem);
-    default: TORCH_CHECK(false, "bf16_linear: narrow tile of ", rows, " rows");
-  }
+  TORCH_CHECK(rows >= 3 && rows <= 6, "bf16_linear: narrow tile of ", rows, " rows");
+  with_rows<6>(rows, [&](auto r) {
+    if constexpr (decltype(r)::value >= 3) tile_part<decltype(r)::value, 2>(x, ldx, group, col0, p0, p1, acc_mem);
+  });
 }
 
 // Calls of 3 or more rows: a block of k-pairs of a group is widened to float32 once ([2 kb][64] floats, k-major, 16
@@ -142,12 +139,10 @@ void widened_part(const float* x, int64_t ldx, const float* wf, int64_t col0, in
 
 void widened_rows(int64_t rows, const float* x, int64_t ldx, const float* wf, int64_t col0, int64_t p0, int64_t p1,
                   float* acc_mem, const char* far) {
-  switch (rows) {
-    case 1: return widened_part<1, kWideV>(x, ldx, wf, col0, p0, p1, acc_mem, far);
-    case 2: return widened_part<2, kWideV>(x, ldx, wf, col0, p0, p1, acc_mem, far);
-    case 3: return widened_part<3, kWideV>(x, ldx, wf, col0, p0, p1, acc_mem, far);
-    default: TORCH_CHECK(false, "bf16_linear: tile of ", rows, " rows");
-  }
+  TORCH_CHECK(rows >= 1 && rows <= 3, "bf16_linear: tile of ", rows, " rows");
+  with_rows<3>(rows, [&](auto r) {
+    widened_part<decltype(r)::value, kWideV>(x, ldx, wf, col0, p0, p1, acc_mem, far);
+  });
 }
 
 // float32 -> bfloat16 bits in the low halves of 32-bit lanes, rounded to nearest even (as vcvtneps2bf16); NaN a

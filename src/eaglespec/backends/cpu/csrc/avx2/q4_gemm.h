@@ -124,13 +124,8 @@ template <typename Scales>
 void group_rows(int64_t rows, const void* x_rows, int64_t ldx, const float* xsum, int64_t blocks,
                 const uint8_t* group, float* acc) {
   const auto* xs = static_cast<const float*>(x_rows);
-  switch (rows) {
-    case 1: return group_rows<Scales, 1>(xs, ldx, xsum, blocks, group, acc);
-    case 2: return group_rows<Scales, 2>(xs, ldx, xsum, blocks, group, acc);
-    case 3: return group_rows<Scales, 3>(xs, ldx, xsum, blocks, group, acc);
-    case 4: return group_rows<Scales, 4>(xs, ldx, xsum, blocks, group, acc);
-    default: TORCH_CHECK(false, "q4_linear: ", rows, " rows in registers");
-  }
+  TORCH_CHECK(rows >= 1 && rows <= 4, "q4_linear: ", rows, " rows in registers");
+  with_rows<4>(rows, [&](auto r) { group_rows<Scales, decltype(r)::value>(xs, ldx, xsum, blocks, group, acc); });
 }
 
 // The wide path (many rows): a group-block's q is turned into floats once, into L1, and tiles of up to 3 rows x 2
@@ -210,11 +205,9 @@ void group_rows_wide(int64_t m, const void* x_rows, int64_t ldx, const float* xs
       const float* x = xs + row * ldx;
       const float* xr = xsum + row * blocks;
       float* a = acc + row * kCols;
-      for (int v0 = 0; v0 < 4; v0 += 2) switch (std::min<int64_t>(3, m - row)) {
-          case 1: wide_tile<Scales, 1>(x, ldx, xr, blocks, b, qm, blk, v0, a); break;
-          case 2: wide_tile<Scales, 2>(x, ldx, xr, blocks, b, qm, blk, v0, a); break;
-          default: wide_tile<Scales, 3>(x, ldx, xr, blocks, b, qm, blk, v0, a);
-        }
+      with_rows<3>(std::min<int64_t>(3, m - row), [&](auto r) {
+        for (int v0 = 0; v0 < 4; v0 += 2) wide_tile<Scales, decltype(r)::value>(x, ldx, xr, blocks, b, qm, blk, v0, a);
+      });
     }
   }
 }

@@ -89,15 +89,8 @@ void tile_part(const void* x_rows, int64_t ldx, const uint16_t* group, int64_t p
 template <bool FMA>
 void rows_part(int64_t rows, const void* x, int64_t ldx, const uint16_t* group, int64_t p0, int64_t p1,
                float* acc_mem) {
-  switch (rows) {
-    case 1: return tile_part<1, FMA>(x, ldx, group, p0, p1, acc_mem);
-    case 2: return tile_part<2, FMA>(x, ldx, group, p0, p1, acc_mem);
-    case 3: return tile_part<3, FMA>(x, ldx, group, p0, p1, acc_mem);
-    case 4: return tile_part<4, FMA>(x, ldx, group, p0, p1, acc_mem);
-    case 5: return tile_part<5, FMA>(x, ldx, group, p0, p1, acc_mem);
-    case 6: return tile_part<6, FMA>(x, ldx, group, p0, p1, acc_mem);
-    default: TORCH_CHECK(false, "bf16_linear: tile of ", rows, " rows");
-  }
+  TORCH_CHECK(rows >= 1 && rows <= 6, "bf16_linear: tile of ", rows, " rows");
+  with_rows<6>(rows, [&](auto r) { tile_part<decltype(r)::value, FMA>(x, ldx, group, p0, p1, acc_mem); });
 }
 
 // The finished sums of `rows` rows (acc, [rows][64] float32) + bias, rounded once to bfloat16 -> y columns

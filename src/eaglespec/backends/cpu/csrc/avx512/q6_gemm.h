@@ -106,16 +106,9 @@ void group_rows(int64_t rows, const void* x_rows, int64_t ldx, const float* xsum
     const uint16_t* xr = x + row * ldx;
     const float* sr = xsum + row * 2 * blocks;
     float* ar = acc + row * kCols;
-    switch (std::min<int64_t>(kTileRows, rows - row)) {
-      case 1: tile_rows<1>(xr, ldx, sr, blocks, group, ar); break;
-      case 2: tile_rows<2>(xr, ldx, sr, blocks, group, ar); break;
-      case 3: tile_rows<3>(xr, ldx, sr, blocks, group, ar); break;
-      case 4: tile_rows<4>(xr, ldx, sr, blocks, group, ar); break;
-      case 5: tile_rows<5>(xr, ldx, sr, blocks, group, ar); break;
-      case 6: tile_rows<6>(xr, ldx, sr, blocks, group, ar); break;
-      case 7: tile_rows<7>(xr, ldx, sr, blocks, group, ar); break;
-      default: tile_rows<8>(xr, ldx, sr, blocks, group, ar);
-    }
+    with_rows<kTileRows>(std::min<int64_t>(kTileRows, rows - row), [&](auto r) {
+      tile_rows<decltype(r)::value>(xr, ldx, sr, blocks, group, ar);
+    });
   }
 }
 

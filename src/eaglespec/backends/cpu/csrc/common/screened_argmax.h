@@ -64,16 +64,9 @@ template <bool BOUND>
 void screen_rows(int rows, const Quantized* x, int64_t blocks, const uint8_t* packed, const float* scale,
                  const float* b1, const float* b2, const float* l1, const float* sxsum, int64_t groups, int64_t n,
                  int64_t n_pad, float* hi, float* lo) {
-  switch (rows) {
-    case 1: return screen<1, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    case 2: return screen<2, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    case 3: return screen<3, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    case 4: return screen<4, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    case 5: return screen<5, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    case 6: return screen<6, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    case 7: return screen<7, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-    default: return screen<8, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
-  }
+  with_rows<8>(rows, [&](auto r) {
+    screen<decltype(r)::value, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
+  });
 }
 
 // Quantizes row x [k] into xq [blocks * 32] (zero padded), sx, xsum; returns false if x is not finite. l1 = |x|_1

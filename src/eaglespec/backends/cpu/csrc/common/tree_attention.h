@@ -86,13 +86,10 @@ void attend_task(int64_t count, const int64_t* hs, const int64_t* rs, const Quer
                  const T* kt, int64_t kt_row, const T* v, int64_t v_row, int64_t c,
                  const std::vector<std::vector<int64_t>>& paths, float scale, std::vector<float>& scratch,
                  const Outputs& out) {
-  switch (count) {
-    case 1: return attend_pairs<1>(hs, rs, q, n, hd, kt, kt_row, v, v_row, c, paths, scale, scratch, out);
-    case 2: return attend_pairs<2>(hs, rs, q, n, hd, kt, kt_row, v, v_row, c, paths, scale, scratch, out);
-    case 3: return attend_pairs<3>(hs, rs, q, n, hd, kt, kt_row, v, v_row, c, paths, scale, scratch, out);
-    case 4: return attend_pairs<4>(hs, rs, q, n, hd, kt, kt_row, v, v_row, c, paths, scale, scratch, out);
-    default: TORCH_CHECK(false, "tree_attention: task of ", count, " pairs");
-  }
+  TORCH_CHECK(count >= 1 && count <= 4, "tree_attention: task of ", count, " pairs");
+  with_rows<4>(count, [&](auto r) {
+    attend_pairs<decltype(r)::value>(hs, rs, q, n, hd, kt, kt_row, v, v_row, c, paths, scale, scratch, out);
+  });
 }
 
 // Per row of a step of n rows: its visible step rows, ascending (its path); mask [n, n] bool or undefined (causal).
