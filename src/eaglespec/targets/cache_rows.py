@@ -24,6 +24,10 @@ class CacheRows:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
+    def clone(self) -> CacheRows:
+        """Copies of these rows (that outlive the cache they came from)."""
+        return CacheRows([k.clone() for k in self.keys], [v.clone() for v in self.values], self.keys_transposed)
+
     def prefix(self, length: int) -> CacheRows:
         """The first `length` rows (views, not copies)."""
         if not 0 < length <= self.length:

@@ -283,8 +283,11 @@ class FastTarget(TargetModel):
         """Copies of the first `length` committed rows of every layer's cache."""
         if not 0 < length <= self.cache_len:
             raise ValueError(f"cannot copy {length} rows of a cache of {self.cache_len} committed rows")
-        rows = CacheRows(self.layer_keys, self.layer_values, self.keys_transposed).prefix(length)
-        return CacheRows([k.clone() for k in rows.keys], [v.clone() for v in rows.values], self.keys_transposed)
+        return self._cache_rows().prefix(length).clone()
+
+    def _cache_rows(self) -> CacheRows:
+        """Every layer's whole cache (views: capacity rows)."""
+        return CacheRows(self.layer_keys, self.layer_values, self.keys_transposed)
 
     @torch.inference_mode()
     def load_rows(self, rows: CacheRows) -> None:
@@ -297,7 +300,7 @@ class FastTarget(TargetModel):
         length = rows.length
         if length > self.capacity:
             self._grow(max(min(self.max_context, 2 * self.capacity), length))
-        held = CacheRows(self.layer_keys, self.layer_values, self.keys_transposed).prefix(length)
+        held = self._cache_rows().prefix(length)
         for cache, stored in zip((*held.keys, *held.values), (*rows.keys, *rows.values)):
             cache.copy_(stored)
         self.cache_len = length
