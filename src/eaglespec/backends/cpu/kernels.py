@@ -486,3 +486,12 @@ def draft_int8() -> bool:
     arithmetic is its own, so the output is the same. (A head's layer stays bfloat16: its products are too small
     to gain.)"""
     return envs.draft_int8()
+
+
+DRAFT_Q4_ENV = envs.DRAFT_Q4
+
+
+def draft_q4() -> bool:
+    """Whether draft models (`sps`, `staged`) read their layers and LM head as 4-bit blocks (`FastTarget`'s
+    `requantize`); on unless $EAGLESPEC_DRAFT_Q4 is 0. Drafting only, as `draft_int8`."""
+    return envs.draft_q4()

@@ -20,6 +20,10 @@ in the last bits, each row-invariant); $EAGLESPEC_Q4=0 turns it off (the layers 
 Weights without either form (a model from safetensors, a Q8_0 tensor) stay on the bfloat16 kernel, layer matrix by
 layer matrix; a GGUF file's Q6_K and Q5_0 tensors run as 6-bit codes (eaglespec.backends.cpu.q6).
 
+A draft model's target may round its matrices to these blocks instead (`round_blocks`, `requantize` in
+eaglespec.backends.cpu.apply): no longer the model's weights, but the target verifies every draft, so only which
+tokens are proposed can change, and a forward reads about 4.5 bits a weight.
+
 `int8_inputs` (`--activations int8`, and `auto`, the default, on the AVX-512 and AVX2 builds) multiplies the same
 packing through q4_q8_linear instead: each row's inputs quantized to 8-bit integers per block of 32 (llama.cpp's
 arithmetic), the block sums taken in integers (AVX-512 VNNI's vpdpbusd, AVX2's vpmaddubsw), the same bits on every
@@ -135,6 +139,28 @@ def find_blocks(weight: Tensor) -> Blocks | None:
         return None
     d_best = d_best.view(n, k // BLOCK)
     return Blocks(d_best, m16, q_best.reshape(n, k))
+
+
+def round_blocks(weight: Tensor, rows: int = 8192) -> Blocks:
+    """The Q4_1 blocks nearest weight [N, K] (K a multiple of 32, finite values), for a draft model's matrices
+    (`requantize`): per block of 32 input channels m is the minimum and d the range over 15, both rounded to float16,
+    and q = round((w - m) / d) clamped to [0, 15]. Approximate, unlike `find_blocks`: a weight moves by up to d / 2
+    (plus m's float16 rounding). Rounded `rows` rows at a time, to bound the float32 temporaries."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"4-bit blocks need K divisible by {BLOCK}, not {k}")
+    d = torch.empty(n, k // BLOCK, dtype=torch.float16)
+    m = torch.empty_like(d)
+    q = torch.empty(n, k, dtype=torch.uint8)
+    for start in range(0, n, rows):
+        w = weight[start : start + rows].detach().float().view(-1, k // BLOCK, BLOCK)  # [r, B, 32]
+        low = w.amin(-1).half()  # [r, B]
+        scale = ((w.amax(-1) - low.float()) / 15).half()  # [r, B]
+        step = scale.float()[..., None]  # [r, B, 1]
+        codes = torch.where(step > 0, torch.round((w - low.float()[..., None]) / step.clamp_min(1e-30)), 0.0)
+        d[start : start + rows], m[start : start + rows] = scale, low
+        q[start : start + rows] = codes.clamp(0, 15).to(torch.uint8).view(-1, k)
+    return Blocks(d, m, q)
 
 
 def _by_group(values: Tensor, groups: int) -> Tensor:
