@@ -325,6 +325,8 @@ def build_methods(names: list[str], ctx: MethodContext,
             if name in ("sps", "staged"):
                 settings["draft_model"] = (ctx.draft_model_name  # (the name given, not where the cache keeps it)
                                            or getattr(ctx.draft_model.config, "_name_or_path", "") or "draft model")
+                if getattr(engine.drafter.model, "requantized", False):  # (read as 4-bit blocks: $EAGLESPEC_DRAFT_Q4)
+                    settings["draft_weights"] = "4-bit blocks"
             label = name if value is None else f"{name}@{sweep[0]}={value}"
             methods.append(LoopMethod(label, name, engine, settings, None if value is None else {sweep[0]: value},
                                       record_answers=answers if name == "vanilla" else None))
