@@ -14,7 +14,7 @@ from test_sampling import (
 )
 
 from eaglespec import Engine, TreeSettings
-from eaglespec.spec.adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy
+from eaglespec.spec.adaptive import DRAFT, PLAIN, AdaptiveDrafter, SwitchPolicy, chain_policy
 from eaglespec.spec.decode import SpecDecoder
 from eaglespec.targets.hf import TargetModel
 
@@ -133,6 +133,24 @@ def test_chain_methods_adapt_by_default(method):
         assert engine.generate(prompt, max_new_tokens=20).tokens == vanilla_tokens(model, prompt, 20)
     fixed = Engine.from_model(model, TinyTokenizer(), method=method, tree="auto", adapt=False, **draft)
     assert not isinstance(fixed.drafter, AdaptiveDrafter)
+
+
+def test_plain_window_shortens_the_probes_of_plain_decoding():
+    """A draft model's chain commits many tokens a round: its policy times drafted rounds over 16 and plain ones over
+    4, so each probe of plain decoding costs 4 slow rounds, and the choice is the same as with a window of 16."""
+    policy = chain_policy("sps")
+    assert policy.windows == {DRAFT: 16, PLAIN: 4}
+    # drafting: 12 tokens in 200 ms (60/s); plain: 1 token in 80 ms (12.5/s)
+    modes = feed(policy, {DRAFT: 0.2, PLAIN: 0.08}, {DRAFT: 12, PLAIN: 1}, 200)
+    assert modes[:16] == [DRAFT] * 16 and modes[16:21] == [PLAIN] * 4 + [DRAFT]
+    assert policy.chosen == DRAFT and policy.switches == 0
+    probes = sum(1 for a, b in zip(modes, modes[1:]) if a == DRAFT and b == PLAIN)
+    assert modes.count(PLAIN) == 4 * probes
+    # plain decoding faster: the short window still sees it
+    modes = feed(chain_policy("sps"), {DRAFT: 0.2, PLAIN: 0.01}, {DRAFT: 1, PLAIN: 1}, 60)
+    assert modes[16:20] == [PLAIN] * 4 and modes[-20:].count(PLAIN) > 15
+    with pytest.raises(ValueError, match="plain_window"):
+        SwitchPolicy(plain_window=0)
 
 
 def test_policy_rejects_bad_settings():

@@ -41,7 +41,9 @@ class SwitchPolicy:
     its predictability slowly. The faster mode is `chosen`; after `period` tokens in it, the other mode's round
     time is measured afresh for `window` rounds (a probe), then the faster of the two is chosen. A probe costs
     `window` rounds at the slower speed, so each probe that confirms the choice doubles the period (up to
-    `max_period`), and a change of choice resets it.
+    `max_period`), and a change of choice resets it. `plain_window` (default: `window`) times plain rounds over
+    fewer rounds where drafted ones vary more: a plain round is one target step, steady, while a drafted chain's
+    length (and time) changes round to round; a probe of plain decoding then costs fewer slow rounds.
 
     `timing="mean"` takes a mode's speed as its last `window` rounds' tokens over their seconds instead: for
     drafters whose drafted rounds are of two kinds by design (prompt lookup drafts only where the context repeats
@@ -49,17 +51,20 @@ class SwitchPolicy:
     """
 
     def __init__(self, start: str = DRAFT, window: int = 8, period: int = 64, memory: int = 64,
-                 max_period: int = 1024, timing: str = "median"):
+                 max_period: int = 1024, timing: str = "median", plain_window: int | None = None):
         if start not in (DRAFT, PLAIN):
             raise ValueError(f"start must be '{DRAFT}' or '{PLAIN}', got {start!r}")
         if timing not in ("median", "mean"):
             raise ValueError(f"timing must be 'median' or 'mean', got {timing!r}")
         self.timing = timing
-        if min(window, period, memory) < 1 or max_period < period:
-            raise ValueError("window, period and memory must be positive, and max_period at least period")
-        self.window, self.base_period, self.max_period = window, period, max_period
+        plain_window = window if plain_window is None else plain_window
+        if min(window, plain_window, period, memory) < 1 or max_period < period:
+            raise ValueError("window, plain_window, period and memory must be positive, and max_period at least "
+                             "period")
+        self.windows = {DRAFT: window, PLAIN: plain_window}  # rounds timed per mode
+        self.base_period, self.max_period = period, max_period
         self.period = period  # tokens in the chosen mode before the next probe
-        self.seconds: dict[str, deque[float]] = {m: deque(maxlen=window) for m in (DRAFT, PLAIN)}
+        self.seconds: dict[str, deque[float]] = {m: deque(maxlen=self.windows[m]) for m in (DRAFT, PLAIN)}
         self.tokens: dict[str, deque[int]] = {m: deque(maxlen=max(memory, window)) for m in (DRAFT, PLAIN)}
         self.chosen = start
         self.probing: str | None = None
@@ -73,7 +78,7 @@ class SwitchPolicy:
     def speed(self, mode: str) -> float | None:
         """Tokens per second of `mode` lately; None before a full window of its round times."""
         seconds, tokens = self.seconds[mode], self.tokens[mode]
-        if len(seconds) < self.window:
+        if len(seconds) < self.windows[mode]:
             return None
         if self.timing == "mean":  # the same rounds' tokens and seconds
             return sum(list(tokens)[-len(seconds):]) / max(sum(seconds), 1e-9)
@@ -108,8 +113,10 @@ class SwitchPolicy:
 
 def chain_policy(method: str) -> SwitchPolicy:
     """The policy of a chain-drafting method (ADAPTIVE_CHAINS): it starts drafting; prompt lookup's drafted rounds
-    are of two kinds (a match, or a plain step), so its speed is timed by the mean."""
-    return SwitchPolicy(DRAFT, window=16, timing="mean" if method == "pld" else "median")
+    are of two kinds (a match, or a plain step), so its speed is timed by the mean. Drafted rounds are timed over 16
+    (a chain's length changes round to round), plain ones over 4: with a draft model's chains committing 10-15
+    tokens a round, each probe of plain decoding costs 4 slow tokens, not 16."""
+    return SwitchPolicy(DRAFT, window=16, plain_window=4, timing="mean" if method == "pld" else "median")
 
 class AdaptiveDrafter(Drafter):
     """Drafts with `inner` (an `EagleDrafter`, or any drafter) or proposes only the root, as `policy` decides
