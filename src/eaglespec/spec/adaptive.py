@@ -65,7 +65,8 @@ class SwitchPolicy:
         self.base_period, self.max_period = period, max_period
         self.period = period  # tokens in the chosen mode before the next probe
         self.seconds: dict[str, deque[float]] = {m: deque(maxlen=self.windows[m]) for m in (DRAFT, PLAIN)}
-        self.tokens: dict[str, deque[int]] = {m: deque(maxlen=max(memory, window)) for m in (DRAFT, PLAIN)}
+        memory = max(memory, window, plain_window)  # (mean timing reads the tokens of its timed rounds)
+        self.tokens: dict[str, deque[int]] = {m: deque(maxlen=memory) for m in (DRAFT, PLAIN)}
         self.chosen = start
         self.probing: str | None = None
         self.since_probe = 0  # tokens committed since the other mode was last measured
