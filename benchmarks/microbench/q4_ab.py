@@ -5,7 +5,7 @@ weights) are timed for each number of rows, the two builds alternating call by c
 affects both alike.
 
     python benchmarks/microbench/q4_ab.py --against 823231a~1 [--rows 1,2,3,4,6,8] [--repeats 30] [--threads 2]
-        [--random [--shapes qwen2.5-coder-1.5b]] [--against-isa avx512]
+        [--random [--shapes qwen2.5-coder-1.5b]] [--against-isa avx512] [--int8]
 
 --against takes a revision of the per-ISA layout (src/eaglespec/backends/cpu/csrc/ since git 823231a,
 src/eaglespec/csrc/ from e9119e2 until then; the 4-bit product is common/q4_gemm.h over <isa>/q4_gemm.h); revisions of
@@ -15,7 +15,8 @@ AVX-512 flags; EAGLESPEC_KERNEL_ISA=avx2 picks the AVX2 build), with the working
 random exact 4-bit blocks of the step's shapes instead of the real weights (no model download); with --shapes, those
 of another model's layer matrices (qwen2.5-coder-1.5b: 28 layers, 1.3 billion weights, 0.8 GB packed). --against-isa
 builds the revision for another instruction set than this CPU's default (on an AMX CPU, `--against HEAD --against-isa
-avx512` times the AMX build's product against the AVX-512 build's). Prints the median milliseconds of a step's layer
+avx512` times the AMX build's product against the AVX-512 build's). --int8 times the product with int8 inputs
+(q4_q8_linear, `--activations int8`) instead, and checks the two builds give the same bits. Prints the median milliseconds of a step's layer
 products (the LM head is not included) for each build.
 """
 
@@ -36,6 +37,7 @@ p.add_argument("--random", action="store_true",
                help="random exact 4-bit blocks of the step's shapes instead of SmolLM2-135M's weights")
 p.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2-135m", help="with --random: whose layer shapes")
 p.add_argument("--against-isa", choices=sorted(kernels.ISAS), help="build the revision for this instruction set")
+p.add_argument("--int8", action="store_true", help="the product with int8 inputs (q4_q8_linear)")
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 if not q4.available():
@@ -45,7 +47,7 @@ ISA = kernels.isa()
 against_isa = kernels.ISAS[args.against_isa] if args.against_isa else None
 if against_isa is not None and not against_isa.cpu_flags <= platform.cpu_flags():
     raise SystemExit(f"this CPU cannot run the {against_isa.name} build")
-ops = operator_pair(args.against, "q4_linear", ISA, against_isa)
+ops = operator_pair(args.against, "q4_q8_linear" if args.int8 else "q4_linear", ISA, against_isa)
 
 
 def random_blocks(n: int, k: int, generator: torch.Generator) -> q4.Blocks:
@@ -80,6 +82,9 @@ for index in (0, 2, 3):  # fused QKV, gate/up, down of layer 0
         error = ((y.double() - exact).abs() / (exact.abs() + 1e-3)).max().item()
         invariant = all(torch.equal(op(x[:m], packed, n, None), y[:m]) for m in range(1, 10))
         print(f"matrix {index} {name}: max relative error {error:.2e}, row-invariant {invariant}")
+    if args.int8:  # the integer sums are exact in any order: every build gives the same bits
+        outs = [op(x, packed, n, None) for op in ops.values()]
+        print(f"matrix {index}: the builds' outputs equal bit for bit: {torch.equal(*outs)}")
 
 source = f"random 4-bit blocks, {args.shapes}" if args.random else "SmolLM2-135M"
 print(f"{len(layers)} products ({source}), {ISA.name} build, "

@@ -239,10 +239,14 @@ void block_scales(const uint8_t* blk, int64_t b, float* d, float* m) {
 // The products with int8 inputs (q4_q8_linear, common/q4_gemm.h). Per 8 k of 8 columns, the 32-byte load of their
 // words masked (even k) and shifted then masked (odd k) gives each column's four even and four odd q as bytes in its
 // 32-bit lane; vpmaddubsw against the row's four even and four odd xq broadcast (the host code stores each 8 inputs'
-// even k, then odd k) sums products in pairs (at most 2 x 15 x 127 in an int16, no saturation), the two are added
-// and vpmaddwd by ones sums each lane's four int16 into its int32 S: the integers of AVX-512 VNNI's vpdpbusd. Per row,
-// column and block acc = fma(m, X, fma(d, sx S, acc)), in the AVX-512 kernel's order (the same bits on either build).
-// The running sums stay in acc (L1) between blocks: 8 lanes a register leave too few for a row's 4 vectors.
+// even k, then odd k) sums products in pairs (at most 2 x 15 x 127 = 3810 in an int16, no saturation), and
+// vpmaddwd by ones sums each lane's int16 into its int32 S: the integers of AVX-512 VNNI's vpdpbusd. Tiles of 3 or
+// more rows first add a block's 4 groups of 8 k in int16 (at most 8 x 3810 = 30480 < 2^15: exact) and widen once a
+// block, not once per 8 k: vpmaddubsw and vpmaddwd share a port on Zen 2, and that made 4- and 6-row products 2-6%
+// cheaper there, but 1- and 2-row ones 5-7% dearer, so those widen per 8 k (q4_ab.py --int8, Qwen2.5-Coder-1.5B's
+// shapes, a 2-core Zen 2 VM). Exact integers either way: the same S. Per row, column and block
+// acc = fma(m, X, fma(d, sx S, acc)), in the AVX-512 kernel's order (the same bits on either build). The running sums
+// stay in acc (L1) between blocks: 8 lanes a register leave too few for a row's 4 vectors.
 constexpr int kTileRowsQ8 = 4;
 
 template <typename Scales, int R>
@@ -258,7 +262,8 @@ void tile_rows_q8(const int8_t* xq, int64_t ldq, const float* sx, const float* x
     const uint8_t* qs = blk + Scales::kBytes - kQBytes;
     const int8_t* xb = xq + b * kBlockK;
     for (int v = 0; v < 4; ++v) {  // columns 8 v .. 8 v + 7
-      __m256i s[R];
+      constexpr bool kWidenOnce = R >= 3;
+      __m256i s[R];  // int32 S, or (kWidenOnce) the block's products summed in pairs per int16 lane
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -273,14 +278,15 @@ void tile_rows_q8(const int8_t* xq, int64_t ldq, const float* sx, const float* x
           std::memcpy(&o, xb + r * ldq + 8 * j + 4, sizeof(o));
           const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(even, _mm256_set1_epi32(e)),
                                                  _mm256_maddubs_epi16(odd, _mm256_set1_epi32(o)));
-          s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(pairs, ones));
+          s[r] = kWidenOnce ? _mm256_add_epi16(s[r], pairs) : _mm256_add_epi32(s[r], _mm256_madd_epi16(pairs, ones));
         }
       }
       const __m256 d = Scales::d(blk, b, v), m = Scales::m(blk, b, v);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         float* out = acc + r * kCols + 8 * v;
-        const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(s[r]), _mm256_set1_ps(sx[r * blocks + b]));
+        const __m256i sum = kWidenOnce ? _mm256_madd_epi16(s[r], ones) : s[r];  // S
+        const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(sx[r * blocks + b]));
         _mm256_storeu_ps(out, _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[r * blocks + b]),
                                               _mm256_fmadd_ps(d, scaled, _mm256_loadu_ps(out))));
       }
