@@ -75,8 +75,11 @@ VERSION = 15  # bump when the calibration changes meaning (3: bfloat16 packed, f
 # levels deep from the root's 4 best: on a 2-vCPU Emerald Rapids VM with AMX (2026-11-28) the 1.5B's head ran 1.34x /
 # 1.35x / 1.32x plain decoding at depth 2 / 3 / 4 (4 MT-bench first turns), 1.27x / 1.22x / 1.04x with 4 / 8 / 12
 # tokens 4 deep, and SmolLM2-135M's shipped head, whose drafts cost more against its steps, 1.05x / 1.02x at depth 1
-# / 2 and 0.90-0.97x at depth 4 (8 prompts). The adaptive policy (eaglespec.spec.adaptive) then stops drafting
-# while generating where it does not pay.
+# / 2 and 0.90-0.97x at depth 4 (8 prompts). With int8 inputs (`--activations auto` on the AVX-512 build), whose
+# verify rows cost less, `--tree calibrate` chose the AVX-512 default again for the 1.5B's seventh head on a 2-vCPU
+# Zen 5 VM (2026-12-07, git 6400b6c: verify passes of 1 / 2 / 4 / 6 / 8 / 16 rows took 24.6 / 29.9 / 32.8 / 40.9 /
+# 50.5 / 76.5 ms). The adaptive policy (eaglespec.spec.adaptive) then stops drafting while generating where it does
+# not pay.
 DEFAULT_TREES = {
     "gpu": TreeSettings(total_tokens=16, depth=5, top_k=4),
     "amx": TreeSettings(total_tokens=4, depth=2, top_k=4),
