@@ -425,6 +425,79 @@ def test_unknown_method_and_bad_sweep_are_clear_errors():
         parse_sweep("depth=a,b")
 
 
+def test_method_variants_are_read_in_a_normal_form_and_bad_ones_are_clear_errors():
+    assert parse_methods("staged, staged@longest=15, staged @ longest = 15, eagle2@total-tokens=8@depth=3") == [
+        "staged", "staged@longest=15", "eagle2@total_tokens=8@depth=3"]
+    for text, message in (("staged@width=3", "KEY=VALUE with KEY one of"), ("staged@longest", "KEY=VALUE"),
+                          ("vanilla@depth=3", "depth applies to .* not to 'vanilla'"),
+                          ("eagle2@longest=8", "longest applies to sps, staged, not to 'eagle2'"),
+                          ("hf@depth=3", "not to 'hf'"), ("oracle@depth=3", "not to 'oracle'"),
+                          ("staged@longest=x", "longest must be an integer, got 'x'"),
+                          ("staged@longest=0", "longest must be at least 1"),
+                          ("eagle2@extend=-1", "extend must be at least 0"),
+                          ("eagle2@depth=0", "depth must be an integer between 1 and 1024"),
+                          ("eagle2@depth=2@depth=3", "sets depth twice"),
+                          ("staged@longest=9@depth=3", "depth fixes the tree: give one of them"),
+                          ("eagle9@depth=2", "unknown method 'eagle9'")):
+        with pytest.raises(EagleSpecError, match=message):
+            parse_methods(text)
+
+
+def test_variants_run_beside_their_method_in_one_run(tmp_path):
+    """staged@longest=N keeps the chain length chosen each round, with N as its cap; a tree setting fixes the method's
+    own tree with that number (a chain's node budget following its depth); every variant stays lossless."""
+    from eaglespec.drafters.autotree import DEFAULT_TREES, STAGED_TREES, cpu_class
+
+    model, tok = make_model("llama"), TinyTokenizer()
+    head1, _ = heads(model, tmp_path)
+    ctx = MethodContext(model=model, tokenizer=tok, model_name="tiny", tree="auto", head_dir=head1,
+                        draft_model=make_model("llama", seed=3, layers=1), eos_ids=eos_ids_of(model, tok))
+    names = ["staged", "staged@longest=9", "sps@depth=20", "eagle2@depth=3", "eagle1@extend=2"]
+    methods = build_methods(names, ctx)
+    assert [m.name for m in methods] == ["vanilla"] + names
+    by = {m.name: m for m in methods}
+    hardware = cpu_class(methods[0].engine.target)
+    staged, capped = by["staged"].engine.drafter, by["staged@longest=9"].engine.drafter
+    assert staged.chain_length is not None and staged.length == STAGED_TREES[hardware].depth
+    assert capped.chain_length is not None and capped.length == capped.chain_length.longest == 9
+    assert by["staged@longest=9"].settings["variant"] == {"longest": 9} and "variant" not in by["staged"].settings
+    sps = by["sps@depth=20"].engine.drafter
+    assert sps.chain_length is None and sps.length == 20  # fixed, its node budget raised to 21
+    eagle2 = by["eagle2@depth=3"]
+    assert eagle2.engine.tree_choice is None
+    assert eagle2.settings["tree"] == {**{k: getattr(DEFAULT_TREES[hardware], k) for k in ("total_tokens", "top_k")},
+                                       "depth": 3}
+    assert by["eagle1@extend=2"].settings["extend"] == 2
+    config = BenchConfig(dataset="tiny", max_new_tokens=10, repeats=1, warmup=0)
+    run_benchmark(methods, QUESTIONS[1:], encode, decode, config, tmp_path / "out", progress=False, command=["t"])
+    rows = read_rows(tmp_path / "out" / RESULTS)
+    assert [r["variant"] for r in rows] == ["vanilla"] + names
+    assert all(r["equal_to_vanilla"] for r in rows)
+    write_report(tmp_path / "out", plots=False)
+    summary = (tmp_path / "out" / SUMMARY).read_text()
+    assert "| staged@longest=9 |" in summary and "## Sweep" not in summary
+
+
+def test_longest_needs_a_draft_models_chain_under_tree_auto():
+    from eaglespec.api import Engine
+
+    model, tok = make_model("llama"), TinyTokenizer()
+    draft = make_model("llama", seed=3, layers=1)
+    ctx = MethodContext(model=model, tokenizer=tok, model_name="tiny", tree=TreeSettings(8, 3, 1),
+                        draft_model=draft, eos_ids=eos_ids_of(model, tok))
+    assert "--tree auto" in unavailable_reason("staged@longest=9", ctx)
+    with pytest.raises(EagleSpecError, match="method 'staged@longest=9' cannot run: longest caps"):
+        build_methods(["staged@longest=9"], ctx)
+    with pytest.raises(EagleSpecError, match="a given tree fixes it"):
+        Engine.from_model(model, tok, method="sps", tree=TreeSettings(8, 3, 1), draft_hf_model=draft, longest=4)
+    with pytest.raises(EagleSpecError, match="method 'pld' has none"):
+        Engine.from_model(model, tok, method="pld", tree="auto", longest=4)
+    with pytest.raises(EagleSpecError, match="between 1 and 1023"):
+        Engine.from_model(model, tok, method="sps", tree="auto", draft_hf_model=draft, longest=0)
+    engine = Engine.from_model(model, tok, method="sps", tree="auto", draft_hf_model=draft, longest=3, adapt=False)
+    assert engine.drafter.length == 3 and engine.drafter.chain_length.longest == 3
+
+
 def test_methods_that_cannot_run_say_why():
     model, tok = make_model("llama"), TinyTokenizer()
     ctx = MethodContext(model=model, tokenizer=tok, model_name="not-a-model", tree=TreeSettings())

@@ -111,7 +111,7 @@ def test_separate_tree_options_point_at_tree(capsys, command, option):
 EVERYDAY = ["--model", "--head", "--method", "--draft-model", "--tree", "--max-new-tokens", "--temperature",
             "--top-p", "--top-k", "--seed", "--stop", "--system"]
 ENGINE = ["--device", "--dtype", "--threads", "--backend", "--exact, --no-exact", "--compile", "--quantize",
-          "--activations", "--ngram", "--extend", "--draft-vocab"]
+          "--activations", "--ngram", "--extend", "--longest-chain", "--draft-vocab"]
 
 
 def _help_sections(capsys, command: str) -> dict[str, list[str]]:

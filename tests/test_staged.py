@@ -369,3 +369,27 @@ def test_engine_and_cli_take_the_draft_models_shipped_ngram_by_default(tmp_path,
         check_options(argparse.Namespace(**{**base, "method": "eagle2", "ngram": value}))
     with pytest.raises(EagleSpecError, match="--ngram is the second stage"):
         check_options(argparse.Namespace(**{**base, "method": "eagle2", "ngram": "x.safetensors"}))
+
+
+def test_longest_chain_caps_the_draft_models_chain_under_tree_auto_and_is_refused_elsewhere(capsys):
+    from eaglespec.cli import check_options, main
+    from eaglespec.errors import EagleSpecError
+
+    base = dict(temperature=0.0, top_p=1.0, top_k=0, seed=None, max_new_tokens=8, device=None, draft_vocab=None,
+                tree="auto", head="auto", prompt="hi", draft_model="tiny-draft", extend=None, ngram="auto",
+                model="smollm2-135m", longest_chain=9)
+    for method in ("sps", "staged"):
+        check_options(argparse.Namespace(**{**base, "method": method}))
+    with pytest.raises(EagleSpecError, match="--longest-chain caps the draft model's chain of --method sps or staged"):
+        check_options(argparse.Namespace(**{**base, "method": "pld", "draft_model": None}))
+    with pytest.raises(EagleSpecError, match="--tree 16,5,1 fixes it"):
+        check_options(argparse.Namespace(**{**base, "method": "staged", "tree": "16,5,1"}))
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "hi", "--longest-chain", "0"])
+    assert exc.value.code == 2 and "--longest-chain: expected a positive integer, got 0" in capsys.readouterr().err
+    for argv in (["bench", "--methods", "pld", "--longest-chain", "4"],
+                 ["bench", "--methods", "staged,staged@longest=9", "--tree", "8,3,1"],
+                 ["bench", "--methods", "staged", "--tree", "8,3,1", "--longest-chain", "4"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "longest" in err and len(err.strip().splitlines()) == 1, err

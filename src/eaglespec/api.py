@@ -66,6 +66,19 @@ def check_extend(extend: int, method: str) -> int:
     return extend
 
 
+def check_longest(longest: int | None, method: str, tree: TreeSettings | str | None) -> None:
+    """`longest` applies to a draft model's chain (sps, staged) whose length is chosen each round (tree auto)."""
+    if longest is None:
+        return
+    if method not in DRAFT_MODEL_METHODS:
+        raise EagleSpecError(f"longest caps a draft model's chain (sps, staged); method '{method}' has none: drop it")
+    if not isinstance(tree, str):
+        raise EagleSpecError("longest caps the chain whose length tree 'auto' chooses each round; a given tree fixes "
+                             "it: drop longest, or use tree 'auto'")
+    if not isinstance(longest, int) or not 1 <= longest <= 1023:
+        raise EagleSpecError(f"longest must be an integer between 1 and 1023, got {longest!r}")
+
+
 def default_max_batch(device: torch.device) -> int:
     """Sequences `eaglespec serve` decodes together by default: 8 on a CPU (a step's products then still cost about
     what one row's do on a memory-bound model), 64 on a GPU."""
@@ -101,6 +114,7 @@ class Engine:
         ngram: str | Path | None = "auto",
         extend: int | None = None,
         activations: str = "auto",
+        longest: int | None = None,
     ):
         """`tree`: "auto" (EAGLE-2 / chain: this machine's cached calibration, else a default for its CPU class,
         refined while generating by the adaptive policy), "calibrate" (measure now, cache when undisturbed), explicit
@@ -126,7 +140,10 @@ class Engine:
         "auto" (the default) int8 inputs where eaglespec's kernels run them faster (the AVX-512 and AVX2 builds), as
         llama.cpp's do for the same file, else bfloat16; "int8" or "bfloat16" (the exact weights times the bfloat16
         activations). Each is its own arithmetic for the model, decoded losslessly
-        (eaglespec.backends.cpu.apply.check_activations); `self.target.activations` is what runs."""
+        (eaglespec.backends.cpu.apply.check_activations); `self.target.activations` is what runs.
+        `longest` (sps, staged with tree "auto"): the longest chain the draft model may draft in a round, each
+        round's length still chosen as it goes (drafters.chain_length); None: this CPU class's default
+        (drafters.autotree.STAGED_TREES: 15 with AMX tiles, else 5)."""
         if method not in METHODS:
             raise EagleSpecError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
         if method in DRAFT_MODEL_METHODS and not draft_model:
@@ -158,14 +175,15 @@ class Engine:
             extend = 0
         self.extend = default_extend(model) if extend is None else extend
         self._setup(hf_model, tokenizer, head_module, method, tree, head_name=str(head), backend=backend,
-                    adapt=adapt, quantize=quantize, exact=exact, compile=compile, activations=activations)
+                    adapt=adapt, quantize=quantize, exact=exact, compile=compile, activations=activations,
+                    longest=longest)
 
     @classmethod
     def from_model(cls, hf_model, tokenizer, head: DraftHead | None = None, method: str = "eagle2",
                    tree: TreeSettings | str | None = None, draft_hf_model=None, backend: str = "auto",
                    adapt: bool = True, quantize: str | None = None, exact: bool | None = None,
                    compile: bool = False, ngram: str | Path | None = None, extend: int = 0,
-                   activations: str = "auto") -> "Engine":
+                   activations: str = "auto", longest: int | None = None) -> "Engine":
         """Wrap an already loaded transformers model (and optionally a head, or a draft model for sps).
         `tree` as for `Engine()`, but None (the fixed defaults) by default. A head on another device than the model
         is moved to the model's (in place, as `nn.Module.to` does)."""
@@ -180,14 +198,16 @@ class Engine:
         engine.draft_hf_model = draft_hf_model
         engine.ngram, engine.extend = resolve_ngram(ngram, method, None), check_extend(extend, method)
         engine._setup(hf_model, tokenizer, head if method in HEAD_METHODS else None, method, tree, "the head",
-                      backend, adapt, quantize, exact, compile, activations)
+                      backend, adapt, quantize, exact, compile, activations, longest)
         return engine
 
     def _setup(self, hf_model, tokenizer, head: DraftHead | None, method: str, tree: TreeSettings | str | None,
                head_name: str, backend: str = "auto", adapt: bool = True, quantize: str | None = None,
-               exact: bool | None = None, compile: bool = False, activations: str = "auto") -> None:
+               exact: bool | None = None, compile: bool = False, activations: str = "auto",
+               longest: int | None = None) -> None:
         if isinstance(tree, str) and tree not in ("auto", "calibrate"):
             raise EagleSpecError(f"tree must be 'auto', 'calibrate' or explicit settings, got '{tree}'")
+        check_longest(longest, method, tree)
         quantize = check_mode(quantize, next(hf_model.parameters()).device)  # "none" -> None
         activations = check_activations(activations)
         feature_kind = None if head is None else ("eagle3" if head.config.kind == "eagle3" else "final")
@@ -203,6 +223,8 @@ class Engine:
             from .drafters.autotree import STAGED_TREES, cpu_class
 
             settings = STAGED_TREES[cpu_class(self.target)]
+            if longest is not None:  # a chain of at most `longest` tokens
+                settings = TreeSettings(total_tokens=longest + 1, depth=longest, top_k=1)
         # under tree auto, a draft model's chain (sps, staged) and a head's stage-2 guesses: how much each round
         # drafts, chosen as it goes (drafters.chain_length)
         dynamic = isinstance(tree, str) and (method in DRAFT_MODEL_METHODS or self.extend > 0)

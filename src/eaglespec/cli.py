@@ -104,6 +104,9 @@ def model_options(p: argparse.ArgumentParser) -> None:
     e.add_argument("--extend", type=int, default=None, metavar="N",
                    help="EAGLE heads: up to N stage-2 guesses (n-grams) added to each draft tree "
                         "(default: the model's)")
+    e.add_argument("--longest-chain", type=positive_int, default=None, metavar="N",
+                   help="sps, staged under --tree auto: the longest chain a round drafts (default: 15 with AMX, "
+                        "else 5)")
     e.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="EAGLE-1 head: draft over its N most frequent tokens (0: all; default: the head's)")
     for option in ("--total-tokens", "--depth", "--tree-top-k"):
@@ -176,6 +179,18 @@ def check_engine_options(args: argparse.Namespace) -> None:
         check_mode(quantize, parse_device(args.device))  # a GPU: says to use --dtype bfloat16 or --device cpu
 
 
+def check_longest_chain(args: argparse.Namespace, draft_model: bool) -> None:
+    """--longest-chain caps a draft model's chain (`draft_model`: the method drafts with one) under --tree auto."""
+    if getattr(args, "longest_chain", None) is None:
+        return
+    if not draft_model:
+        raise EagleSpecError("--longest-chain caps the draft model's chain of --method sps or staged: add one or drop "
+                             "--longest-chain")
+    if tree_from_args(args) not in ("auto", "calibrate"):
+        raise EagleSpecError(f"--longest-chain caps the chain whose length --tree auto chooses each round; --tree "
+                             f"{args.tree} fixes it: drop one of them")
+
+
 def extend_from_args(args: argparse.Namespace, head_drafts: bool = True) -> int:
     """`--extend` as given, else the model's default where a head drafts (`head_drafts`) and 0 elsewhere."""
     from .models import default_extend
@@ -205,6 +220,7 @@ def check_combinations(args: argparse.Namespace) -> None:
     if getattr(args, "ngram", None) not in (None, "auto", "none") and method != "staged" and not extend:
         raise EagleSpecError("--ngram is the second stage of --method staged (or of --extend N with a head): add one "
                              "or drop --ngram")
+    check_longest_chain(args, method in DRAFT_MODEL_METHODS)
     if method not in HEAD_METHODS:
         if args.head not in ("auto", None, ""):
             raise EagleSpecError(f"--method {method} drafts without a head: drop --head")
@@ -262,7 +278,7 @@ def build_engine(args: argparse.Namespace):
                     tree=tree_from_args(args), draft_model=args.draft_model, backend=args.backend,
                     draft_vocab=args.draft_vocab, quantize=args.quantize, exact=args.exact, compile=args.compile,
                     activations=args.activations,
-                    ngram=args.ngram, extend=args.extend)
+                    ngram=args.ngram, extend=args.extend, longest=args.longest_chain)
     if engine.notice:
         print(f"note: {engine.notice}", file=sys.stderr)
     return engine

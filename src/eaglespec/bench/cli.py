@@ -30,7 +30,11 @@ def register(subparsers, model_options, sampling_options) -> None:
                         "(the vllm and openvino peers run from their own virtualenv: --peer-python); 'all' (default) = "
                         "every one that can run here. vanilla is always included. "
                         "oracle (not in 'all', greedy only): drafts plain decoding's own answer, the tree's DEPTH "
-                        "tokens a step, every one accepted at no draft cost: the ceiling of speculation here")
+                        "tokens a step, every one accepted at no draft cost: the ceiling of speculation here. "
+                        "A variant of one of our methods, timed beside it: METHOD@KEY=VALUE[@KEY=VALUE], KEY one of "
+                        "total_tokens, depth, top_k (a fixed tree: the method's own with these numbers), extend "
+                        "(the heads' stage-2 guesses) or longest (sps and staged under --tree auto: the longest "
+                        "chain a round drafts), e.g. staged,staged@longest=15")
     g.add_argument("--limit", type=int, default=None, help="first N questions (after --categories and --per-category)")
     g.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
     g.add_argument("--categories", type=_csv, default=None, help="comma-separated categories to keep")
@@ -106,13 +110,17 @@ def _check(args: argparse.Namespace) -> None:
     from .peers import parse_peer_python
 
     parse_peer_python(args.peer_python)
-    from .methods import parse_methods
+    from .methods import parse_methods, split_variant
 
     names = parse_methods(args.methods or args.method or DEFAULT_METHODS)
     if "oracle" in names and args.temperature > 0:
         raise EagleSpecError("method 'oracle' needs greedy decoding: drop --temperature (it drafts plain greedy "
                              "decoding's answer)")
     tree = tree_from_args(args)
+    capped = [n for n in names if "longest" in split_variant(n)[1]]
+    if capped and tree not in ("auto", "calibrate"):
+        raise EagleSpecError(f"{capped[0]}: longest caps the chain whose length --tree auto chooses each round; "
+                             f"--tree {args.tree} fixes it: use --tree auto, or vary depth instead")
     if args.adapt and tree != "auto":
         raise EagleSpecError(f"--adapt applies to --tree auto: drop --tree {args.tree}")
     if tree == "calibrate":
@@ -124,6 +132,9 @@ def _check(args: argparse.Namespace) -> None:
             raise EagleSpecError("method 'oracle' drafts the given tree's depth: use --tree TOTAL,DEPTH,TOP_K "
                                  "(or auto, for 16,5,4) instead of --tree calibrate")
     check_engine_options(args)
+    from ..cli import check_longest_chain
+
+    check_longest_chain(args, any(split_variant(n)[0] in ("sps", "staged") for n in names))
 
 
 def _head_dirs(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
@@ -186,7 +197,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         quantize=None if args.quantize == "none" else args.quantize, exact=args.exact,
                         activations=args.activations,
                         compile=args.compile, adapt=args.adapt, ngram=getattr(args, "ngram", None),
-                        extend=extend,
+                        extend=extend, longest=args.longest_chain,
                         draft_model_name=args.draft_model, progress=not args.no_progress,
                         peer=PeerOptions(python=parse_peer_python(args.peer_python),
                                          draft_tokens=args.peer_draft_tokens, openvino_weights=args.openvino_weights,

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..drafters import TreeSettings
+from ..drafters.base import DRAFT_MODEL_METHODS
 from ..errors import EagleSpecError
 from ..llamacpp import LLAMA_CPP_PIP, llama_class
 from ..llamacpp import installed as llamacpp_installed
@@ -48,6 +49,11 @@ SWEEP_AFFECTS = {
     "extend": ("eagle2", "eagle3", "eagle1", "chain"),  # not a tree setting: the stage-2 guesses added to one
 }
 SWEEP_KEYS = (*TREE_KEYS, "extend")
+# What a variant of one method (`--methods staged,staged@longest=15`) may set, and the methods each key applies to:
+# the sweep's keys, and `longest`, the cap on a draft model's chain whose length tree auto chooses each round.
+VARIANT_AFFECTS = {**{key: tuple(m for m in SWEEP_AFFECTS[key] if m != "oracle") for key in SWEEP_KEYS},
+                   "longest": ("sps", "staged")}
+CHAIN_METHODS = ("pld", "sps")  # draft min(depth, total_tokens - 1) tokens a round (staged too when top_k is 1)
 HF_PLD_TOKENS = 10  # transformers' documented prompt_lookup_num_tokens example value
 
 class HFMethod(BenchMethod):
@@ -140,6 +146,7 @@ class MethodContext:
     draft_model: object | None = None  # sps, staged and hf-assisted
     ngram: str | None = "auto"  # staged (and heads' `extend`): a corpus n-gram model for the second stage (--ngram)
     extend: int = 0  # heads' methods: stage-2 guesses added to each draft tree
+    longest: int | None = None  # sps and staged under tree auto: their chain's cap (None: the CPU class's)
     dtype: torch.dtype = torch.float32
     threads: int = 1
     eos_ids: list[int] = field(default_factory=list)
@@ -156,24 +163,68 @@ class MethodContext:
 
 
 def parse_methods(text: str) -> list[str]:
-    """'vanilla,eagle2' -> ['vanilla', 'eagle2']; 'all' -> every method. Unknown names are an error."""
+    """'vanilla,eagle2' -> ['vanilla', 'eagle2']; 'all' -> every method. A name may carry settings of its own, a
+    variant timed beside the method in the same run: 'staged@longest=15', 'eagle2@total_tokens=8@depth=3'
+    (`split_variant`; written back in that normal form). Unknown names and settings are an error."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise EagleSpecError("--methods is empty: give a comma-separated list, e.g. vanilla,eagle2,pld,hf")
     if names == ["all"]:
         return list(ALL_METHODS)
-    unknown = [n for n in names if n not in KNOWN_METHODS]
-    if unknown:
-        raise EagleSpecError(f"unknown method '{unknown[0]}'; choose from {', '.join(KNOWN_METHODS)} (or 'all')")
     seen: list[str] = []
     for n in names:
-        if n not in seen:
-            seen.append(n)
+        name = variant_name(*split_variant(n))
+        if name not in seen:
+            seen.append(name)
     return seen
 
 
+def split_variant(name: str) -> tuple[str, dict[str, int]]:
+    """'staged@longest=15' -> ('staged', {'longest': 15}); 'eagle2' -> ('eagle2', {}): a known method, and each
+    KEY=VALUE after an '@' a setting of VARIANT_AFFECTS that the method takes, with an integer value (checked as a
+    tree's or an extend's values are)."""
+    method, *parts = [part.strip() for part in name.split("@")]
+    if method not in KNOWN_METHODS:
+        raise EagleSpecError(f"unknown method '{method}'; choose from {', '.join(KNOWN_METHODS)} (or 'all')")
+    overrides: dict[str, int] = {}
+    for part in parts:
+        key, sep, value = part.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in VARIANT_AFFECTS:
+            raise EagleSpecError(f"method variant '{name}': each setting after '@' is KEY=VALUE with KEY one of "
+                                 f"{', '.join(VARIANT_AFFECTS)}, e.g. staged@longest=15; got '{part}'")
+        if method not in VARIANT_AFFECTS[key]:
+            takers = ", ".join(VARIANT_AFFECTS[key])
+            raise EagleSpecError(f"method variant '{name}': {key} applies to {takers}, not to '{method}'")
+        if key in overrides:
+            raise EagleSpecError(f"method variant '{name}' sets {key} twice")
+        try:
+            overrides[key] = int(value)
+        except ValueError:
+            raise EagleSpecError(f"method variant '{name}': {key} must be an integer, got '{value.strip()}'") from None
+        if key in TREE_KEYS:
+            TreeSettings(**{**_tree_dict(TreeSettings()), key: overrides[key]})  # validates the range
+        elif overrides[key] < (0 if key == "extend" else 1):
+            raise EagleSpecError(f"method variant '{name}': {key} must be at least {0 if key == 'extend' else 1}, "
+                                 f"got {overrides[key]}")
+    fixed = [key for key in overrides if key in TREE_KEYS]
+    if "longest" in overrides and fixed:
+        raise EagleSpecError(f"method variant '{name}': longest caps the chain whose length tree auto chooses each "
+                             f"round, {fixed[0]} fixes the tree: give one of them")
+    return method, overrides
+
+
+def variant_name(method: str, overrides: dict[str, int]) -> str:
+    """The row label of `method` with `overrides` ('staged@longest=15'), as split_variant reads it."""
+    return "@".join([method] + [f"{key}={value}" for key, value in overrides.items()])
+
+
 def unavailable_reason(method: str, ctx: MethodContext) -> str | None:
-    """Why `method` cannot run with this context, or None when it can."""
+    """Why `method` (or a variant of it) cannot run with this context, or None when it can."""
+    method, overrides = split_variant(method)
+    if "longest" in overrides and isinstance(ctx.tree, TreeSettings):
+        return ("longest caps the chain whose length --tree auto chooses each round; a given --tree fixes it: use "
+                "--tree auto, or vary depth instead")
     if method in ("eagle2", "eagle1", "chain") and ctx.head_dir is None:
         return "no EAGLE draft head (pass --head DIR, or wait for a shipped head)"
     if method == "eagle3" and ctx.head3_dir is None:
@@ -266,7 +317,8 @@ def build_methods(names: list[str], ctx: MethodContext,
     methods: list[BenchMethod] = []
     peer_models = None  # (model, draft model) for transformers' peers, made once
     answers = {} if "oracle" in names else None  # vanilla's greedy answers, which the oracle drafts
-    for name in names:
+    for label in names:
+        name, overrides = split_variant(label)
         if name == "oracle":
             methods += _oracle_methods(methods[0], ctx, sweep, answers)
             continue
@@ -286,19 +338,25 @@ def build_methods(names: list[str], ctx: MethodContext,
                 heads[str(folder)] = _load_head(folder, ctx.dtype, None if name == "eagle3" else ctx.draft_vocab)
             head = heads[str(folder)]
         engine_method = "eagle2" if name == "eagle3" else name
-        values = sweep[1] if sweep and name in SWEEP_AFFECTS[sweep[0]] else [None]
+        values = sweep[1] if sweep and not overrides and name in SWEEP_AFFECTS[sweep[0]] else [None]
         for value in values:
             base = TreeSettings() if ctx.tree == "auto" else ctx.tree
             swept_extend = value is not None and sweep[0] == "extend"
             tree = (ctx.tree if value is None or swept_extend
                     else TreeSettings(**{**_tree_dict(base), sweep[0]: value}))
             extend = (value if swept_extend else ctx.extend) if head is not None else 0
+            if overrides:
+                tree = _variant_tree(name, overrides, ctx.tree, methods[0]) or tree
+                extend = overrides.get("extend", extend)
             ngram = resolve_ngram(ctx.ngram, name, ctx.draft_model_name) if name == "staged" or extend else None
             engine = Engine.from_model(ctx.model, ctx.tokenizer, head=head, method=engine_method, tree=tree,
                                        draft_hf_model=ctx.draft_model if name in ("sps", "staged") else None,
                                        backend=ctx.backend, adapt=False, quantize=ctx.quantize,
                                        exact=ctx.exact, compile=ctx.compile,
-                                       ngram=ngram, extend=extend, activations=ctx.activations)
+                                       ngram=ngram, extend=extend, activations=ctx.activations,
+                                       longest=(overrides.get("longest", ctx.longest)
+                                                if name in DRAFT_MODEL_METHODS and value is None
+                                                and not overrides.keys() & set(TREE_KEYS) else None))
             settings = {"target": type(engine.target).__name__, "quantize": ctx.quantize}
             if engine.target.activations != "bfloat16":  # (what "auto" chose)
                 settings["activations"] = engine.target.activations
@@ -327,10 +385,13 @@ def build_methods(names: list[str], ctx: MethodContext,
                                            or getattr(ctx.draft_model.config, "_name_or_path", "") or "draft model")
                 if getattr(engine.drafter.model, "requantized", False):  # (read as 4-bit blocks: $EAGLESPEC_DRAFT_Q4)
                     settings["draft_weights"] = "4-bit blocks"
-            label = name if value is None else f"{name}@{sweep[0]}={value}"
-            methods.append(LoopMethod(label, name, engine, settings, None if value is None else {sweep[0]: value},
+            if overrides:
+                settings["variant"] = dict(overrides)
+            row = label if value is None else f"{name}@{sweep[0]}={value}"
+            methods.append(LoopMethod(row, name, engine, settings, None if value is None else {sweep[0]: value},
                                       record_answers=answers if name == "vanilla" else None))
-            if ctx.adapt and value is None and (engine.tree_choice is not None or name in ADAPTIVE_CHAINS):
+            if ctx.adapt and value is None and not overrides and (engine.tree_choice is not None
+                                                                  or name in ADAPTIVE_CHAINS):
                 if engine.tree_choice is not None:
                     start = DRAFT if engine.tree_choice.speculate else PLAIN
                     policy = SwitchPolicy(start)
@@ -341,6 +402,32 @@ def build_methods(names: list[str], ctx: MethodContext,
                                           {**settings, "adapt": {"start": start, "timing": policy.timing}},
                                           drafter=AdaptiveDrafter(engine.drafter, policy)))
     return methods
+
+
+def _variant_tree(method: str, overrides: dict[str, int], tree: TreeSettings | str,
+                  vanilla: LoopMethod) -> TreeSettings | None:
+    """A variant's tree: the method's own (--tree's, or under --tree auto this CPU class's default for it,
+    drafters.autotree) with the variant's tree settings, a chain's node budget following its depth; fixed, as a
+    given --tree is (no calibration, adaptive switching or chain length chosen each round). None: the variant sets
+    no tree setting."""
+    from ..drafters.autotree import DEFAULT_TREES, STAGED_TREES, cpu_class
+
+    given = {key: value for key, value in overrides.items() if key in TREE_KEYS}
+    if not given:
+        return None
+    if isinstance(tree, TreeSettings):
+        base = tree
+    elif method in DRAFT_MODEL_METHODS:
+        base = STAGED_TREES[cpu_class(vanilla.engine.target)]
+    elif method == "pld":
+        base = TreeSettings()  # (prompt lookup's tree under auto)
+    else:
+        base = DEFAULT_TREES[cpu_class(vanilla.engine.target)]
+    settings = {**_tree_dict(base), **given}
+    chain = method in CHAIN_METHODS or (method == "staged" and settings["top_k"] == 1)
+    if chain and "total_tokens" not in given:
+        settings["total_tokens"] = max(settings["total_tokens"], settings["depth"] + 1)
+    return TreeSettings(**settings)
 
 
 def _oracle_methods(vanilla: LoopMethod, ctx: MethodContext, sweep: tuple[str, list[int]] | None,
