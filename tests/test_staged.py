@@ -71,7 +71,7 @@ def oracle_stage2(draft_model, wrong: bool = False):
 @pytest.mark.parametrize("wrong", [False, True])
 def test_drafts_are_the_draft_models_chain_in_fewer_forwards(arch, wrong):
     draft = make_model(arch, seed=1, layers=2)
-    depth, guesses = 5, 4
+    depth, guesses = 5, 4  # (guesses = depth - 1: a round of right guesses fits one forward)
     staged = StagedDrafter(make_target(draft, feature_kind=None, exact=True), TreeSettings(depth=depth, top_k=1),
                            stage2=oracle_stage2(draft, wrong), guesses=guesses)
     sps = DraftModelDrafter(make_target(draft, feature_kind=None, exact=True), TreeSettings(depth=depth))
@@ -80,14 +80,19 @@ def test_drafts_are_the_draft_models_chain_in_fewer_forwards(arch, wrong):
     ids = [4, 5, 6, 7]
     for accepted in (2, 0, depth, 1):  # rounds: the target accepts some drafts, then adds its bonus token
         sizes.clear()
+        common = 0  # what the draft cache already holds of the sequence (all but the root at least)
+        while common < min(len(staged.seen), len(ids) - 1) and staged.seen[common] == ids[common]:
+            common += 1
+        missing = len(ids) - common  # the catch-up's tokens: the root, and the chain's last token if it was accepted
         trees = [d.draft(torch.tensor(ids), None) for d in (staged, sps)]
         drafts = trees[0].tokens[1:].tolist()
         assert drafts == trees[1].tokens[1:].tolist() == greedy_continuation(draft, ids, depth)
         if wrong:  # every guess rejected: one token a forward, as sps, each forward wider by the guesses it tried
             assert len(sizes) == depth
+            assert sizes[0] == missing + min(guesses, depth - 1)
             assert sizes[1:] == [1 + min(guesses, depth - 2 - i) for i in range(depth - 1)]
-        else:  # the catch-up, then one forward of the last token and depth - 2 right guesses
-            assert len(sizes) == 2 and sizes[1] == depth - 1
+        else:  # one forward: the catch-up with the depth - 1 right guesses after the root
+            assert sizes == [missing + depth - 1]
         # the draft cache keeps the sequence and the drafts but the last, as sps's does
         assert staged.model.cache_len == sps.model.cache_len == len(ids) + depth - 1
         assert staged.seen == sps.seen == ids + drafts[:-1]
@@ -191,7 +196,7 @@ def test_guesses_past_the_chain_are_not_asked_for():
     staged = StagedDrafter(make_target(draft, feature_kind=None), TreeSettings(depth=3, top_k=1), stage2=stage2,
                            guesses=8)
     tree = staged.draft(torch.tensor([4, 5, 6]), None)
-    assert len(tree) == 4 and all(0 <= n <= 1 for n in asked) and asked
+    assert len(tree) == 4 and asked and all(0 <= n <= 2 for n in asked)  # (the round's first forward: 2 at most)
     with pytest.raises(ValueError, match="guesses"):
         StagedDrafter(make_target(draft, feature_kind=None), stage2=stage2, guesses=0)
 

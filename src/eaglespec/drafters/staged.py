@@ -5,7 +5,9 @@ autoregressive steps are speculated too.
 the draft model's chain goes on (the n-grams of the context: prompt lookup), and the draft model checks every
 guess in one forward, as the target checks the draft model: its greedy token after each row is computed at once,
 the guesses it agrees with are kept with its own next token as a bonus, and the rows of the rest are dropped. A
-forward then adds 1 + accepted guesses to the chain instead of 1.
+forward then adds 1 + accepted guesses to the chain instead of 1. A round's first forward, which runs what the draft
+model has not seen of the committed sequence (the root, and the last accepted draft where the whole chain was),
+carries guesses too, so a round whose guesses are right costs one draft-model forward.
 
 What the target sees is unchanged in kind: a chain of the draft model's greedy tokens (the same chain as
 `DraftModelDrafter` wherever the draft model's multi-row steps give a row the bits of a one-token step, as they do
@@ -102,14 +104,24 @@ class StagedDrafter(DraftModelDrafter):
         self._ranked.extend(ranks[: accepted + 1])
         return greedy[: accepted + 1]
 
-    def _catch_up(self, tokens: list[int]) -> int:
-        """Run the committed tokens the cache lacks (root included) and keep their rows; return the first draft."""
-        greedy, ranks = self._run(tokens, logits_rows=slice(-1, None))
-        self.model.commit(None)
+    def _catch_up(self, context: list[int], tokens: list[int], length: int) -> list[int]:
+        """Run the committed tokens the cache lacks (`tokens`, the root last) with stage 2's guesses after the root in
+        one forward, and keep their rows and those of the accepted guesses; return the draft model's greedy tokens
+        it confirms (the first draft, then one per accepted guess: at most `length`)."""
+        guess = self.stage2(torch.tensor(context), min(self.guesses, length - 1))[: max(length - 1, 0)]
+        missing = len(tokens)
+        # the draft model's next token after the root and after each guess
+        greedy, ranks = self._run(tokens + guess, logits_rows=slice(missing - 1, None))  # [1 + g]
+        accepted = 0
+        while accepted < len(guess) and guess[accepted] == greedy[accepted]:
+            accepted += 1
+        self.model.commit(torch.arange(missing + accepted))
         self.forwards += 1
-        self.seen.extend(tokens)
-        self._ranked.extend(ranks[-1:])
-        return greedy[-1]
+        self.guessed += len(guess)
+        self.guesses_accepted += accepted
+        self.seen.extend(tokens + guess[:accepted])
+        self._ranked.extend(ranks[: accepted + 1])
+        return greedy[: accepted + 1]
 
     @torch.inference_mode()
     def draft(self, tokens: Tensor, new_features: Tensor | None) -> DraftTree:
@@ -123,7 +135,7 @@ class StagedDrafter(DraftModelDrafter):
             return DraftTree.root_only(root)
         start = self._sync(ids)
         self._ranked = []
-        proposal = [self._catch_up(ids[start:])]
+        proposal = self._catch_up(ids, ids[start:], length)
         while len(proposal) < length:
             proposal.extend(self._extend(ids, proposal, length))
         proposal = proposal[:length]
