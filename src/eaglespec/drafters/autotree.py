@@ -99,7 +99,10 @@ DEFAULT_TREES = {
 # may grow to 15 tokens: on a 2-vCPU Emerald Rapids VM (4 HumanEval tasks x 128 tokens, fixed chains) staged ran
 # 1.94x / 2.16x / 2.49x plain decoding with 5 / 9 / 15 tokens, but 1.03x / 0.52x on 4 MT-bench first turns with 5 /
 # 15 (benchmarks/runs/2026-11-29-emerald-rapids-amx-staged/fixed-chains). `sps` takes the same chain; under
-# `--tree auto` both choose each round's length up to it (drafters/chain_length.py).
+# `--tree auto` both choose each round's length up to it (drafters/chain_length.py). On a 2-vCPU Zen 5 VM with int8
+# inputs, a cap of 15 instead of 5 measured no different in the same run (staged 1.009x / 1.016x, sps 1.001x / 0.987x
+# on 32 HumanEval tasks / 32 MT-bench first turns, +-0.013-0.022; benchmarks/runs/2026-12-07-zen5-1.5b-longest-chain),
+# so AVX-512 without AMX keeps 5.
 STAGED_TREES = {
     "gpu": TreeSettings(total_tokens=16, depth=5, top_k=4),
     "amx": TreeSettings(total_tokens=16, depth=15, top_k=1),
