@@ -91,7 +91,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
-    from ..cli import check_engine_options, tree_from_args
+    from ..cli import check_engine_options, check_longest_chain, tree_from_args
 
     for name in ("limit", "per_category", "turns", "repeats"):
         value = getattr(args, name)
@@ -132,8 +132,6 @@ def _check(args: argparse.Namespace) -> None:
             raise EagleSpecError("method 'oracle' drafts the given tree's depth: use --tree TOTAL,DEPTH,TOP_K "
                                  "(or auto, for 16,5,4) instead of --tree calibrate")
     check_engine_options(args)
-    from ..cli import check_longest_chain
-
     check_longest_chain(args, any(split_variant(n)[0] in ("sps", "staged") for n in names))
 
 
