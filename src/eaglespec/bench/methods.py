@@ -354,9 +354,8 @@ def build_methods(names: list[str], ctx: MethodContext,
                                        backend=ctx.backend, adapt=False, quantize=ctx.quantize,
                                        exact=ctx.exact, compile=ctx.compile,
                                        ngram=ngram, extend=extend, activations=ctx.activations,
-                                       longest=(overrides.get("longest", ctx.longest)
-                                                if name in DRAFT_MODEL_METHODS and value is None
-                                                and not overrides.keys() & set(TREE_KEYS) else None))
+                                       longest=(overrides.get("longest", ctx.longest)  # (tree auto's chain cap)
+                                                if name in DRAFT_MODEL_METHODS and isinstance(tree, str) else None))
             settings = {"target": type(engine.target).__name__, "quantize": ctx.quantize}
             if engine.target.activations != "bfloat16":  # (what "auto" chose)
                 settings["activations"] = engine.target.activations

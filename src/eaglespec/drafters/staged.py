@@ -85,37 +85,19 @@ class StagedDrafter(DraftModelDrafter):
         clone.guessed = clone.guesses_accepted = 0
         return clone
 
-    def _extend(self, context: list[int], proposal: list[int], length: int) -> list[int]:
-        """Run the last proposed token with stage 2's guesses after it in one forward; return the draft model's
-        greedy tokens it confirms (1 + accepted guesses, at most `length - len(proposal)`)."""
-        want = length - len(proposal)
-        guess = self.stage2(torch.tensor(context + proposal), min(self.guesses, want - 1))[: max(want - 1, 0)]
-        rows = proposal[-1:] + guess  # [1 + g]
-        greedy, ranks = self._run(rows)  # the draft model's next token after each row
-        accepted = 0
-        while accepted < len(guess) and guess[accepted] == greedy[accepted]:
-            accepted += 1
-        # keep the rows of the last proposal and the accepted guesses (a prefix of the step: nothing moves)
-        self.model.commit(torch.arange(accepted + 1))
-        self.forwards += 1
-        self.guessed += len(guess)
-        self.guesses_accepted += accepted
-        self.seen.extend(rows[: accepted + 1])
-        self._ranked.extend(ranks[: accepted + 1])
-        return greedy[: accepted + 1]
-
-    def _catch_up(self, context: list[int], tokens: list[int], length: int) -> list[int]:
-        """Run the committed tokens the cache lacks (`tokens`, the root last) with stage 2's guesses after the root in
-        one forward, and keep their rows and those of the accepted guesses; return the draft model's greedy tokens
-        it confirms (the first draft, then one per accepted guess: at most `length`)."""
-        guess = self.stage2(torch.tensor(context), min(self.guesses, length - 1))[: max(length - 1, 0)]
+    def _step(self, context: list[int], tokens: list[int], want: int) -> list[int]:
+        """One draft-model forward: `tokens`, the end of `context` the cache lacks (a round's first forward: the
+        committed tokens not yet run, the root last; later ones: the last proposed token), then stage 2's guesses of
+        how the draft model goes on after them. Keep the rows of `tokens` and of the accepted guesses; return the
+        draft model's greedy tokens the forward confirms: its next token, one per accepted guess (at most `want`)."""
+        guess = self.stage2(torch.tensor(context), min(self.guesses, want - 1))[: max(want - 1, 0)]
         missing = len(tokens)
-        # the draft model's next token after the root and after each guess
+        # the draft model's next token after the last of `tokens` and after each guess
         greedy, ranks = self._run(tokens + guess, logits_rows=slice(missing - 1, None))  # [1 + g]
         accepted = 0
         while accepted < len(guess) and guess[accepted] == greedy[accepted]:
             accepted += 1
-        self.model.commit(torch.arange(missing + accepted))
+        self.model.commit(torch.arange(missing + accepted))  # (a prefix of the step: nothing moves)
         self.forwards += 1
         self.guessed += len(guess)
         self.guesses_accepted += accepted
@@ -135,9 +117,9 @@ class StagedDrafter(DraftModelDrafter):
             return DraftTree.root_only(root)
         start = self._sync(ids)
         self._ranked = []
-        proposal = self._catch_up(ids, ids[start:], length)
+        proposal = self._step(ids, ids[start:], length)  # what the cache lacks, the root last, and guesses
         while len(proposal) < length:
-            proposal.extend(self._extend(ids, proposal, length))
+            proposal.extend(self._step(ids + proposal, proposal[-1:], length - len(proposal)))
         proposal = proposal[:length]
         self._drafted(ids, proposal, started)
         if self.branches == 1:
