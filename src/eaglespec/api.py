@@ -25,6 +25,7 @@ from .drafters import (
     Drafter,
     TreeSettings,
     VanillaDrafter,
+    tree_chosen_by_run,
 )
 from .drafters.lookup import Stage2
 from .errors import EagleSpecError
@@ -72,7 +73,7 @@ def check_longest(longest: int | None, method: str, tree: TreeSettings | str | N
         return
     if method not in DRAFT_MODEL_METHODS:
         raise EagleSpecError(f"longest caps a draft model's chain (sps, staged); method '{method}' has none: drop it")
-    if not isinstance(tree, str):
+    if not tree_chosen_by_run(tree):
         raise EagleSpecError("longest caps the chain whose length tree 'auto' chooses each round; a given tree fixes "
                              "it: drop longest, or use tree 'auto'")
     if not isinstance(longest, int) or not 1 <= longest <= 1023:

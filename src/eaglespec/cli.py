@@ -183,10 +183,12 @@ def check_longest_chain(args: argparse.Namespace, draft_model: bool) -> None:
     """--longest-chain caps a draft model's chain (`draft_model`: the method drafts with one) under --tree auto."""
     if getattr(args, "longest_chain", None) is None:
         return
+    from .drafters import tree_chosen_by_run
+
     if not draft_model:
         raise EagleSpecError("--longest-chain caps the draft model's chain of --method sps or staged: add one or drop "
                              "--longest-chain")
-    if tree_from_args(args) not in ("auto", "calibrate"):
+    if not tree_chosen_by_run(tree_from_args(args)):
         raise EagleSpecError(f"--longest-chain caps the chain whose length --tree auto chooses each round; --tree "
                              f"{args.tree} fixes it: drop one of them")
 

@@ -110,6 +110,7 @@ def _check(args: argparse.Namespace) -> None:
     from .peers import parse_peer_python
 
     parse_peer_python(args.peer_python)
+    from ..drafters import tree_chosen_by_run
     from .methods import parse_methods, split_variant
 
     names = parse_methods(args.methods or args.method or DEFAULT_METHODS)
@@ -118,7 +119,7 @@ def _check(args: argparse.Namespace) -> None:
                              "decoding's answer)")
     tree = tree_from_args(args)
     capped = [n for n in names if "longest" in split_variant(n)[1]]
-    if capped and tree not in ("auto", "calibrate"):
+    if capped and not tree_chosen_by_run(tree):
         raise EagleSpecError(f"{capped[0]}: longest caps the chain whose length --tree auto chooses each round; "
                              f"--tree {args.tree} fixes it: use --tree auto, or vary depth instead")
     if args.adapt and tree != "auto":

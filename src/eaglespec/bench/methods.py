@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..drafters import TreeSettings
+from ..drafters import TreeSettings, tree_chosen_by_run
 from ..drafters.base import DRAFT_MODEL_METHODS
 from ..errors import EagleSpecError
 from ..llamacpp import LLAMA_CPP_PIP, llama_class
@@ -222,7 +222,7 @@ def variant_name(method: str, overrides: dict[str, int]) -> str:
 def unavailable_reason(method: str, ctx: MethodContext) -> str | None:
     """Why `method` (or a variant of it) cannot run with this context, or None when it can."""
     method, overrides = split_variant(method)
-    if "longest" in overrides and isinstance(ctx.tree, TreeSettings):
+    if "longest" in overrides and not tree_chosen_by_run(ctx.tree):
         return ("longest caps the chain whose length --tree auto chooses each round; a given --tree fixes it: use "
                 "--tree auto, or vary depth instead")
     if method in ("eagle2", "eagle1", "chain") and ctx.head_dir is None:

@@ -7,8 +7,9 @@
 - autotree.py: the tree choice of `--tree auto` / `calibrate` (per-CPU-class defaults, cached calibration)
 """
 
-from .base import DRAFT_MODEL_METHODS, HEAD_METHODS, METHODS, Drafter, DraftWork, TreeSettings, VanillaDrafter
+from .base import (DRAFT_MODEL_METHODS, HEAD_METHODS, METHODS, Drafter, DraftWork, TreeSettings, VanillaDrafter,
+                   tree_chosen_by_run)
 from .eagle import EagleDrafter, TreeGrowth
 
 __all__ = ["DRAFT_MODEL_METHODS", "HEAD_METHODS", "METHODS", "Drafter", "DraftWork", "EagleDrafter", "TreeGrowth",
-           "TreeSettings", "VanillaDrafter"]
+           "TreeSettings", "VanillaDrafter", "tree_chosen_by_run"]

@@ -82,3 +82,10 @@ class TreeSettings:
                 raise EagleSpecError(f"tree setting {name} must be an integer between 1 and 1024, got {value!r}")
         if self.total_tokens < 2:
             raise EagleSpecError("tree setting total_tokens must be at least 2 (the root and one draft token)")
+
+
+def tree_chosen_by_run(tree: "TreeSettings | str | None") -> bool:
+    """Whether the trees are chosen as decoding goes ('auto', or 'calibrate' then auto's policy) rather than given
+    (settings, or None for the defaults). Only then is a draft model's chain length chosen each round, so only then
+    can `longest` (`--longest-chain`, a bench variant's `@longest=`) cap it."""
+    return isinstance(tree, str)
