@@ -145,7 +145,7 @@ gunzip -c data/qwen2.5-coder-1.5b/answers.jsonl.gz | sed -n 3401,3440p > runs/qw
 eaglespec train head --kind eagle3 --model qwen2.5-coder-1.5b \
   --data runs/qwen/head8/answers-4848-7055.jsonl --eval-data runs/qwen/head8/eval-3401-3440.jsonl \
   --out runs/qwen/head8/eagle3 --max-length 768 --cache-features runs/qwen/head8/features \
-  --feature-path fast --mixed-precision bf16 --init-head src/eaglespec/shipped_heads/qwen2.5-coder-1.5b-eagle3 \
+  --feature-path fast --mixed-precision bf16 --init-head runs/qwen/head7/eagle3/head \
   --reselect-vocab --eval-steps 5 --batch-size 4 --lr 6e-4 --warmup-steps 50 --max-steps 1500 --eval-every 750 \
   --save-every 200 --save-dtype bfloat16 --threads 2 --draft-vocab-size 16384 --ttt-steps 3 --intermediate-size 2048 \
   --time-budget 35
