@@ -257,8 +257,7 @@ void tile_rows_q8(const int8_t* xq, int64_t ldq, const float* sx, const float* x
     for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc + r * kCols + 8 * v, _mm256_setzero_ps());
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = Scales::block(group, b);
-    for (int line = 0; line < Scales::kBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Scales::kBytes + line), _MM_HINT_T0);
+    prefetch_records<Scales::kBytes, R>(blk);
     const uint8_t* qs = blk + Scales::kBytes - kQBytes;
     const int8_t* xb = xq + b * kBlockK;
     for (int v = 0; v < 4; ++v) {  // columns 8 v .. 8 v + 7

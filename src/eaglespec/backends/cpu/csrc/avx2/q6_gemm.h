@@ -121,8 +121,7 @@ void tile_rows_q8(const int8_t* xq, int64_t ldq, const float* sx, const int32_t*
   alignas(32) __m256i w[8][4];  // [4 consecutive k][8 columns]: the block's codes in vpmaddubsw's order
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = group + b * kBlockBytes;
-    for (int line = 0; line < kBlockBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * kBlockBytes + line), _MM_HINT_T0);
+    prefetch_records<kBlockBytes, R>(blk);
     const uint8_t* codes = blk + kScaleBytes;
     const auto* scales = reinterpret_cast<const float*>(blk);
     const int8_t* xb = xq + b * kBlockK;

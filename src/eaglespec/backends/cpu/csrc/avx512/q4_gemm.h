@@ -83,8 +83,7 @@ void tile_rows(const uint16_t* x, int64_t ldx, const float* xsum, int64_t blocks
   for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = Scales::block(group, b);
-    for (int line = 0; line < Scales::kBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Scales::kBytes + line), _MM_HINT_T0);
+    prefetch_records<Scales::kBytes, R>(blk);
     const uint8_t* qs = blk + Scales::kBytes - kQBytes;
     const uint16_t* xb = x + b * kBlockK;
     __m512 s[R][2];
@@ -165,8 +164,7 @@ void tile_rows_q8(const int8_t* xq, int64_t ldq, const float* sx, const float* x
   for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = Scales::block(group, b);
-    for (int line = 0; line < Scales::kBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Scales::kBytes + line), _MM_HINT_T0);
+    prefetch_records<Scales::kBytes, R>(blk);
     const uint8_t* qs = blk + Scales::kBytes - kQBytes;
     const int8_t* xb = xq + b * kBlockK;
     __m512i s[R][2];

@@ -53,8 +53,7 @@ void tile_rows(const uint16_t* x, int64_t ldx, const float* xsum, int64_t blocks
   for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = group + b * kBlockBytes;
-    for (int line = 0; line < kBlockBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * kBlockBytes + line), _MM_HINT_T0);
+    prefetch_records<kBlockBytes, R>(blk);
     const uint8_t* codes = blk + kScaleBytes;
     const auto* scales = reinterpret_cast<const float*>(blk);
     const uint16_t* xb = x + b * kBlockK;
@@ -129,8 +128,7 @@ void tile_rows_q8(const int8_t* xq, int64_t ldq, const float* sx, const int32_t*
   for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = group + b * kBlockBytes;
-    for (int line = 0; line < kBlockBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * kBlockBytes + line), _MM_HINT_T0);
+    prefetch_records<kBlockBytes, R>(blk);
     const uint8_t* codes = blk + kScaleBytes;
     const auto* scales = reinterpret_cast<const float*>(blk);
     const int8_t* xb = xq + b * kBlockK;
