@@ -78,7 +78,10 @@ VERSION = 15  # bump when the calibration changes meaning (3: bfloat16 packed, f
 # / 2 and 0.90-0.97x at depth 4 (8 prompts). With int8 inputs (`--activations auto` on the AVX-512 build), whose
 # verify rows cost less, `--tree calibrate` chose the AVX-512 default again for the 1.5B's seventh head on a 2-vCPU
 # Zen 5 VM (2026-12-07, git 6400b6c: verify passes of 1 / 2 / 4 / 6 / 8 / 16 rows took 24.6 / 29.9 / 32.8 / 40.9 /
-# 50.5 / 76.5 ms). The adaptive policy (eaglespec.spec.adaptive) then stops drafting while generating where it does
+# 50.5 / 76.5 ms). Once the kernels' wide tiles prefetched further ahead (git b7b2adf) it chose 6 tokens two levels
+# deep from the root's 4 best there, yet the default ran faster than that tree and larger ones, fixed, in one bench run
+# (1.93x against 1.76x and less on 16 HumanEval tasks, 1.54x against 1.30x and less on 32 MT-bench turns;
+# benchmarks/runs/2026-12-07-zen5-1.5b-prefetch-trees): each round's n-gram guesses add rows. The adaptive policy (eaglespec.spec.adaptive) then stops drafting while generating where it does
 # not pay.
 DEFAULT_TREES = {
     "gpu": TreeSettings(total_tokens=16, depth=5, top_k=4),
