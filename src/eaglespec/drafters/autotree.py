@@ -81,8 +81,8 @@ VERSION = 15  # bump when the calibration changes meaning (3: bfloat16 packed, f
 # 50.5 / 76.5 ms). Once the kernels' wide tiles prefetched further ahead (git b7b2adf) it chose 6 tokens two levels
 # deep from the root's 4 best there, yet the default ran faster than that tree and larger ones, fixed, in one bench run
 # (1.93x against 1.76x and less on 16 HumanEval tasks, 1.54x against 1.30x and less on 32 MT-bench turns;
-# benchmarks/runs/2026-12-07-zen5-1.5b-prefetch-trees): each round's n-gram guesses add rows. The adaptive policy (eaglespec.spec.adaptive) then stops drafting while generating where it does
-# not pay.
+# benchmarks/runs/2026-12-07-zen5-1.5b-prefetch-trees): each round's n-gram guesses add rows. The adaptive policy
+# (eaglespec.spec.adaptive) then stops drafting while generating where it does not pay.
 DEFAULT_TREES = {
     "gpu": TreeSettings(total_tokens=16, depth=5, top_k=4),
     "amx": TreeSettings(total_tokens=4, depth=2, top_k=4),
