@@ -1,7 +1,9 @@
-"""Print what `--tree auto` measured and chose for a model + head, as Markdown (calibrates if not cached).
+"""Print what `--tree auto` measured and chose for a model + head, as Markdown. Without a calibration cached for this
+machine `--tree auto` measures nothing (it takes the CPU class's default tree, and the tables stay empty);
+`--calibrate` measures first, as `--tree calibrate` does, and caches the result.
 
-    python benchmarks/tools/tree_auto_table.py [--head DIR] [--method eagle2|chain] [--dtype float32] [--compile]
-        [--threads 2]
+    python benchmarks/tools/tree_auto_table.py [--model NAME] [--head DIR] [--method eagle2|chain] [--dtype float32]
+        [--compile] [--threads 2] [--calibrate]
 """
 
 import argparse
@@ -15,13 +17,15 @@ parser.add_argument("--method", default="eagle2")
 parser.add_argument("--dtype", default="auto")
 parser.add_argument("--compile", action="store_true")
 parser.add_argument("--threads", type=int, default=None)
+parser.add_argument("--calibrate", action="store_true", help="measure this machine first (--tree calibrate)")
 args = parser.parse_args()
 if args.threads:
     import torch
 
     torch.set_num_threads(args.threads)
 
-engine = Engine(model=args.model, head=args.head, method=args.method, dtype=args.dtype, tree="auto",
+engine = Engine(model=args.model, head=args.head, method=args.method, dtype=args.dtype,
+                tree="calibrate" if args.calibrate else "auto",
                 compile=args.compile)
 choice = engine.tree_choice
 print(choice.summary(), f"(cached: {choice.cached}, {choice.positions} calibration positions)\n")
