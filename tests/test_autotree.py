@@ -18,6 +18,7 @@ from eaglespec.drafters.autotree import (
     cache_path,
     check_by_decoding,
     choose,
+    keep_fastest,
     verify_costs,
 )
 from eaglespec.targets.fast import make_target
@@ -183,6 +184,14 @@ def test_auto_tree_engine_is_lossless_and_cached(monkeypatch):
     assert not choice.cached and choice.positions == 2 * 8  # (24 - 8) / 2 positions per prompt
     assert choice.measured_tokens_per_s > 0 and choice.measured_vanilla_tokens_per_s > 0  # checked by decoding
     assert choice.settings == engine.drafter.settings
+    # the cost model's pick was decoded beside the CPU class's default (where they differ), and the faster kept
+    default = autotree.DEFAULT_TREES[autotree.cpu_class(engine.target)]
+    picked = TreeSettings(**{k: choice.checked[0][k] for k in ("total_tokens", "depth", "top_k")})
+    assert len(choice.checked) == (1 if picked == default else 2)
+    fastest = max(choice.checked, key=lambda c: c["tokens_per_s"])
+    kept = choice.settings
+    assert (kept.total_tokens, kept.depth, kept.top_k) == tuple(fastest[k] for k in ("total_tokens", "depth", "top_k"))
+    assert choice.measured_tokens_per_s == pytest.approx(fastest["tokens_per_s"], abs=0.01)
     s = engine.drafter.settings
     assert 2 <= s.total_tokens <= 64 and 1 <= s.depth <= 8 and 1 <= s.top_k <= 8
     assert cache_path(engine, "dynamic").is_file()
@@ -283,11 +292,43 @@ def test_measured_rates_decide_over_the_cost_model():
     assert not TreeChoice.from_json(json.loads(json.dumps(choice.to_json()))).speculate
 
 
-def test_check_by_decoding_times_both_ways_and_keeps_the_engines_drafter():
+def test_check_by_decoding_times_every_way_and_keeps_the_engines_drafter():
     model = make_model("llama", seed=3)
     engine = Engine.from_model(model, TinyTokenizer(), head=random_head(model, "eagle1"))
     drafter = engine.decoder.drafter
-    settings = TreeSettings(total_tokens=4, depth=2, top_k=2)
-    tree, plain = check_by_decoding(engine, settings, prompts=[[5, 17, 33, 2], [60, 61, 62]], new_tokens=8)
-    assert tree > 0 and plain > 0
-    assert engine.decoder.drafter is drafter and drafter.settings == settings
+    before = drafter.settings
+    used = []
+    draft = drafter.draft
+    drafter.draft = lambda *a: used.append(drafter.settings) or draft(*a)  # (instance attribute: this engine only)
+    candidates = [TreeSettings(total_tokens=4, depth=2, top_k=2), TreeSettings(total_tokens=2, depth=1, top_k=1)]
+    trees, plain = check_by_decoding(engine, candidates, prompts=[[5, 17, 33, 2], [60, 61, 62]], new_tokens=8)
+    assert len(trees) == 2 and all(rate > 0 for rate in trees) and plain > 0
+    assert set(map(repr, used)) == set(map(repr, candidates))  # each candidate drafted
+    assert engine.decoder.drafter is drafter and drafter.settings == before
+
+
+def _choice(settings: TreeSettings) -> TreeChoice:
+    """A calibrated choice of `settings` with made-up costs (expected tau 2.5)."""
+    return TreeChoice(settings, 2.5, 150.0, {1: 10.0, 4: 12.0, 6: 13.0}, {"2,2": 2.0, "2,4": 3.0}, [], 1)
+
+
+def test_decoding_keeps_the_class_default_where_it_measured_faster():
+    # one calibration position: a chain of 2 correct nodes under the root's best child
+    rounds = [Candidates([-1, 0, 0, 1, 1], [0, 1, 1, 2, 2], [0.0, -0.1, -1.0, -0.2, -1.5],
+                         [True, True, False, True, False], [[1, 2], [3, 4], [], [], []])]
+    pick, default = TreeSettings(total_tokens=6, depth=2, top_k=4), TreeSettings(total_tokens=4, depth=2, top_k=2)
+    slower = keep_fastest(_choice(pick), [pick, default], [40.0, 45.0], 30.0, rounds)
+    assert slower.settings == default and slower.measured_tokens_per_s == 45.0
+    assert slower.measured_vanilla_tokens_per_s == 30.0 and slower.speculate
+    assert slower.expected_tau == 3.0  # replayed for the default: root, then both chain nodes
+    assert slower.expected_tokens_per_s == round(1000 * 3.0 / (2.0 + 12.0), 2)
+    assert [c["tokens_per_s"] for c in slower.checked] == [40.0, 45.0]
+    assert "the cost model's pick, total_tokens=6 depth=2 top_k=4, decoded at 40.0" in slower.summary()
+    faster = keep_fastest(_choice(pick), [pick, default], [45.0, 40.0], 30.0, rounds)
+    assert faster.settings == pick and faster.expected_tau == 2.5 and "the cost model's pick" not in faster.summary()
+    tied = keep_fastest(_choice(pick), [pick, default], [45.0, 45.0], 30.0, rounds)
+    assert tied.settings == pick  # the pick where tied
+    import json
+
+    again = TreeChoice.from_json(json.loads(json.dumps(slower.to_json())))
+    assert again.settings == default and again.checked == slower.checked

@@ -38,3 +38,11 @@ print("|---|---|---|---|---|---|---|")
 for r in choice.ranking:
     print(f"| {r['total_tokens']} | {r['depth']} | {r['top_k']} | {r['tau']:.2f} | {r['draft_ms']:.1f} | "
           f"{r['verify_ms']:.1f} | {r['tokens_per_s']:.1f} |")
+if choice.checked:
+    print(f"\nChecked by decoding (plain decoding {choice.measured_vanilla_tokens_per_s:.1f} tokens/s):\n")
+    print("| total_tokens | depth | top_k | tokens/s | kept |")
+    print("|---|---|---|---|---|")
+    for r in choice.checked:
+        kept = "yes" if (r["total_tokens"], r["depth"], r["top_k"]) == (
+            choice.settings.total_tokens, choice.settings.depth, choice.settings.top_k) else ""
+        print(f"| {r['total_tokens']} | {r['depth']} | {r['top_k']} | {r['tokens_per_s']:.1f} | {kept} |")

@@ -373,7 +373,8 @@ def build_methods(names: list[str], ctx: MethodContext,
                                                  engine.tree_choice.vanilla_tokens_per_s, 2),
                                              "measured_tokens_per_s": engine.tree_choice.measured_tokens_per_s,
                                              "measured_vanilla_tokens_per_s":
-                                                 engine.tree_choice.measured_vanilla_tokens_per_s}
+                                                 engine.tree_choice.measured_vanilla_tokens_per_s,
+                                             "checked": engine.tree_choice.checked}
             if head is not None and head.config.kind == "eagle1":
                 settings["draft_vocab"] = head.draft_vocab_size
             if head is not None:

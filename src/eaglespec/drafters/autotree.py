@@ -15,16 +15,18 @@ Expected speed of a tree setting = E[accepted length] / (draft time + verify tim
 
 Acceptance depends on the head and the target, not on the machine; costs depend on both.
 
-The model leaves out what isolated forwards do not show: the loop's own work per step, and the draft head's weights
+The model leaves out what isolated forwards do not show: the loop's own work per step, the draft head's weights
 pushing the target's out of the CPU caches between forwards (the reverse, the target's pushing out the head's, is
-in the draft cost). On a 2-core CPU with an int4 target that made it
-expect 1.13x and get 0.96x (2026-11-22). So the best setting is then checked by decoding:
-the chosen tree and plain decoding generate the same prompts through the real loop, interleaved, and drafting is
-kept only if it measured faster (`TreeChoice.speculate`). This calibration (a minute or two on a 2-core CPU) runs
-when asked for (`--tree calibrate`), and its choice is cached in `<cache>/trees/` only if no other process used the
-CPU meanwhile (eaglespec.cpuload). `--tree auto` reads that cache and, where there is none, starts from
-DEFAULT_TREES' setting for the CPU class without measuring anything; the adaptive policy (eaglespec.spec.adaptive) then
-decides while generating whether drafting pays.
+in the draft cost), and the rows an EAGLE drafter's stage-2 guesses (`--extend`) add to each verify pass. On a
+2-core CPU with an int4 target that made it expect 1.13x and get 0.96x (2026-11-22); on a 2-core Zen 5 with int8
+inputs it preferred 6 tokens from the root's 4 best to the class default, which then decoded faster (2026-12-07).
+So the best setting is then checked by decoding: it, the CPU class's default tree (DEFAULT_TREES) where that
+differs, and plain decoding generate the same prompts through the real loop, interleaved; the faster tree is kept,
+and drafting only if it measured faster than plain decoding (`TreeChoice.speculate`). This calibration (a minute
+or two on a 2-core CPU) runs when asked for (`--tree calibrate`), and its choice is cached in `<cache>/trees/` only
+if no other process used the CPU meanwhile (eaglespec.cpuload). `--tree auto` reads that cache and, where there is
+none, starts from DEFAULT_TREES' setting for the CPU class without measuring anything; the adaptive policy
+(eaglespec.spec.adaptive) then decides while generating whether drafting pays.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -57,7 +59,7 @@ CALIBRATION_TOP_K = 8
 TREE_SIZES = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # total_tokens candidates (root included)
 DEPTHS = tuple(range(1, CALIBRATION_DEPTH + 1))
 TOP_KS = (1, 2, 3, 4, 6, 8)
-VERSION = 15  # bump when the calibration changes meaning (3: bfloat16 packed, float32 attention; 4: draft time
+VERSION = 16  # bump when the calibration changes meaning (3: bfloat16 packed, float32 attention; 4: draft time
 # includes the round start, timed after a target forward; 5: --compile runs three graphs by tree size; 6: and
 # compiles the head step; 7: compiled bfloat16 products through eaglespec's own kernel, per-layer caches; 8: and
 # the head's, without guards on the compiled modules; 9: decode-step attention through eaglespec's kernel; 10:
@@ -65,7 +67,8 @@ VERSION = 15  # bump when the calibration changes meaning (3: bfloat16 packed, f
 # part of the key; 12: verify passes timed as greedy decoding runs them, with the screened LM head; 13: over real
 # text, not random tokens; 14: EAGLE-1 draft rows through the kernel on AVX2 too; 15: compiled graphs keep small
 # fused loops on one thread, attention reads strided queries; since then the kernels' source digest is part of the
-# key, so a kernel change alone needs no bump)
+# key, so a kernel change alone needs no bump; 16: decoding checks the CPU class's default tree beside the cost
+# model's pick)
 
 
 # What `--tree auto` uses before this machine is calibrated (`--tree calibrate`), by CPU class: the settings
@@ -171,6 +174,9 @@ class TreeChoice:
     source: str = "calibrated"  # or "default": DEFAULT_TREES' setting for this CPU class, nothing measured
     load: str = ""  # what the other processes did while it was measured (eaglespec.cpuload)
     hardware: str = ""  # the DEFAULT_TREES key a default was taken from
+    # every tree checked by decoding, the cost model's pick first: {"total_tokens", "depth", "top_k",
+    # "tokens_per_s"}; `settings` is the fastest of them
+    checked: list[dict] = field(default_factory=list)
 
     @classmethod
     def default(cls, settings: TreeSettings, hardware: str) -> "TreeChoice":
@@ -204,6 +210,11 @@ class TreeChoice:
         if self.measured_tokens_per_s is not None and self.measured_vanilla_tokens_per_s is not None:
             text += (f"; measured by decoding: {self.measured_tokens_per_s:.1f} against "
                      f"{self.measured_vanilla_tokens_per_s:.1f}")
+        if self.checked and _settings_of(self.checked[0]) != s:
+            pick = self.checked[0]
+            text += (f"; the cost model's pick, total_tokens={pick['total_tokens']} depth={pick['depth']} "
+                     f"top_k={pick['top_k']}, decoded at {pick['tokens_per_s']:.1f}, so the CPU class's default "
+                     "was kept")
         return text + ")"
 
     def to_json(self) -> dict:
@@ -344,30 +355,67 @@ def _candidates(grow, truth: list[int]) -> Candidates:
     return Candidates(list(grow.parents), list(grow.depths), list(grow.scores), correct, kids)
 
 
+def expected(rounds: list[Candidates], verify_ms: dict[int, float], draft_ms: dict[str, float],
+             settings: TreeSettings) -> dict | None:
+    """The cost model's row for one setting: its replayed tau, draft and verify ms and expected tokens/s (None
+    where the calibration did not time its depth and top_k, or its tree size)."""
+    t, d, k = settings.total_tokens, settings.depth, settings.top_k
+    key = f"{d},{k}"
+    if key not in draft_ms or t not in verify_ms:
+        return None
+    tau = sum(r.accepted_length(t, d, k) for r in rounds) / max(1, len(rounds))
+    step_ms = draft_ms[key] + verify_ms[t]
+    return {"total_tokens": t, "depth": d, "top_k": k, "tau": round(tau, 3), "draft_ms": round(draft_ms[key], 2),
+            "verify_ms": round(verify_ms[t], 2), "tokens_per_s": round(1000 * tau / step_ms, 2)}
+
+
 def choose(rounds: list[Candidates], verify_ms: dict[int, float], draft_ms: dict[str, float],
            mode: str = "dynamic", keep: int = 12) -> TreeChoice:
     """The setting with the highest expected tokens per second."""
     rows = []
     for d in DEPTHS:
         for k in (1,) if mode == "chain" else TOP_KS:
-            key = f"{d},{k}"
-            if key not in draft_ms:
-                continue
             sizes = [d + 1] if mode == "chain" else [t for t in TREE_SIZES if t - 1 <= k + (d - 1) * k * k]
             for t in sizes:
-                if t not in verify_ms:
-                    continue
-                tau = sum(r.accepted_length(t, d, k) for r in rounds) / max(1, len(rounds))
-                step_ms = draft_ms[key] + verify_ms[t]
-                rows.append({"total_tokens": t, "depth": d, "top_k": k, "tau": round(tau, 3),
-                             "draft_ms": round(draft_ms[key], 2), "verify_ms": round(verify_ms[t], 2),
-                             "tokens_per_s": round(1000 * tau / step_ms, 2)})
+                row = expected(rounds, verify_ms, draft_ms, TreeSettings(total_tokens=t, depth=d, top_k=k))
+                if row is not None:
+                    rows.append(row)
     if not rows:
         raise ValueError("no tree setting could be evaluated (empty calibration)")
     rows.sort(key=lambda r: -r["tokens_per_s"])
     best = rows[0]
-    settings = TreeSettings(total_tokens=best["total_tokens"], depth=best["depth"], top_k=best["top_k"])
-    return TreeChoice(settings, best["tau"], best["tokens_per_s"], verify_ms, draft_ms, rows[:keep], len(rounds))
+    return TreeChoice(_settings_of(best), best["tau"], best["tokens_per_s"], verify_ms, draft_ms, rows[:keep],
+                      len(rounds))
+
+
+def _settings_of(row: dict) -> TreeSettings:
+    return TreeSettings(total_tokens=row["total_tokens"], depth=row["depth"], top_k=row["top_k"])
+
+
+def class_default(target: TargetModel, mode: str) -> tuple[TreeSettings, str]:
+    """(DEFAULT_TREES' setting for `target`'s CPU class as `mode` drafts it, a chain as deep for "chain"; the
+    class)."""
+    hardware = cpu_class(target)
+    settings = DEFAULT_TREES[hardware]
+    if mode == "chain":
+        settings = TreeSettings(total_tokens=settings.depth + 1, depth=settings.depth, top_k=1)
+    return settings, hardware
+
+
+def keep_fastest(choice: TreeChoice, candidates: list[TreeSettings], rates: list[float], plain: float,
+                 rounds: list[Candidates]) -> TreeChoice:
+    """`choice` (the cost model's pick, `candidates[0]`) once decoding measured each candidate at `rates` tokens/s
+    and plain decoding at `plain`: set to the fastest candidate (the pick where tied), with its expected figures
+    from the replay, and every measurement kept in `checked`."""
+    best = max(range(len(candidates)), key=lambda i: (rates[i], -i))
+    choice.checked = [{"total_tokens": c.total_tokens, "depth": c.depth, "top_k": c.top_k,
+                       "tokens_per_s": round(r, 2)} for c, r in zip(candidates, rates)]
+    choice.measured_tokens_per_s, choice.measured_vanilla_tokens_per_s = rates[best], plain
+    if best:
+        choice.settings = candidates[best]
+        row = expected(rounds, choice.verify_ms, choice.draft_ms, choice.settings)
+        choice.expected_tau, choice.expected_tokens_per_s = (row["tau"], row["tokens_per_s"]) if row else (0.0, 0.0)
+    return choice
 
 
 # ---- caching and the entry point ----------------------------------------------------------------------------
@@ -439,25 +487,33 @@ def cached_verify_costs(target: TargetModel, use_cache: bool = True, text: list[
     return costs
 
 
-def check_by_decoding(engine, settings: TreeSettings, prompts=CALIBRATION_PROMPTS[:2], new_tokens: int = 64,
-                      ) -> tuple[float, float]:
-    """(tokens/s with `settings`, tokens/s of plain decoding) through the real decoding loop: one untimed warm-up
-    each, then the prompts decoded both ways, interleaved so a slow spell of the machine hits both. Plain decoding
-    runs in a second decoder over the same target; the engine's own decoder keeps its drafter."""
+def check_by_decoding(engine, candidates: list[TreeSettings], prompts=CALIBRATION_PROMPTS[:2],
+                      new_tokens: int = 64) -> tuple[list[float], float]:
+    """(tokens/s with each of `candidates`, tokens/s of plain decoding) through the real decoding loop: one untimed
+    warm-up each, then the prompts decoded every way, interleaved so a slow spell of the machine hits all. Plain
+    decoding runs in a second decoder over the same target; the engine's own decoder keeps its drafter, and its
+    drafter the settings it had."""
     from ..spec.decode import Finished, SpecDecoder
 
-    engine.decoder.drafter.settings = settings
-    decoders = {"tree": engine.decoder, "plain": SpecDecoder(engine.target, engine.tokenizer, VanillaDrafter())}
-    totals = {"tree": [0, 0.0], "plain": [0, 0.0]}
-    for timed, prompt in [(False, prompts[0])] + [(True, p) for p in prompts]:
-        ids = prompt if isinstance(prompt, list) else engine.encode(prompt)
-        for name, decoder in decoders.items():
-            for item in decoder.stream(ids, max_new_tokens=new_tokens if timed else 8):
-                if timed and isinstance(item, Finished):
-                    totals[name][0] += item.stats.new_tokens
-                    totals[name][1] += item.stats.total_time
-    rate = {name: tokens / seconds if seconds > 0 else 0.0 for name, (tokens, seconds) in totals.items()}
-    return rate["tree"], rate["plain"]
+    drafter = engine.decoder.drafter
+    before = drafter.settings
+    plain = SpecDecoder(engine.target, engine.tokenizer, VanillaDrafter())
+    runs = [(engine.decoder, c) for c in candidates] + [(plain, None)]
+    totals = [[0, 0.0] for _ in runs]
+    try:
+        for timed, prompt in [(False, prompts[0])] + [(True, p) for p in prompts]:
+            ids = prompt if isinstance(prompt, list) else engine.encode(prompt)
+            for (decoder, settings), total in zip(runs, totals):
+                if settings is not None:
+                    drafter.settings = settings
+                for item in decoder.stream(ids, max_new_tokens=new_tokens if timed else 8):
+                    if timed and isinstance(item, Finished):
+                        total[0] += item.stats.new_tokens
+                        total[1] += item.stats.total_time
+    finally:
+        drafter.settings = before
+    rates = [tokens / seconds if seconds > 0 else 0.0 for tokens, seconds in totals]
+    return rates[:-1], rates[-1]
 
 
 def auto_tree(engine, prompts=CALIBRATION_PROMPTS, new_tokens: int = 80, stride: int = 2,
@@ -477,13 +533,10 @@ def auto_tree(engine, prompts=CALIBRATION_PROMPTS, new_tokens: int = 80, stride:
             return choice
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             path.unlink(missing_ok=True)  # unreadable: calibrate again
+    default, hardware = class_default(engine.target, drafter.mode)
     if not calibrate:
-        hardware = cpu_class(engine.target)
-        settings = DEFAULT_TREES[hardware]
-        if drafter.mode == "chain":
-            settings = TreeSettings(total_tokens=settings.depth + 1, depth=settings.depth, top_k=1)
-        drafter.settings = settings
-        return TreeChoice.default(settings, hardware)
+        drafter.settings = default
+        return TreeChoice.default(default, hardware)
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
     say(f"tree auto: calibrating the draft tree for this machine (cached in {path.parent}) ...")
     t0 = time.perf_counter()
@@ -495,9 +548,12 @@ def auto_tree(engine, prompts=CALIBRATION_PROMPTS, new_tokens: int = 80, stride:
         rounds, draft_ms = record_candidates(drafter, engine.target, sequences, stride=stride, time_settings=pairs,
                                              progress=progress)
         choice = choose(rounds, verify_ms, draft_ms, mode=drafter.mode)
-        say("tree auto: checking the choice by decoding ...")
-        choice.measured_tokens_per_s, choice.measured_vanilla_tokens_per_s = check_by_decoding(
-            engine, choice.settings, prompts=list(prompts)[:2])
+        choice.hardware = hardware
+        candidates = [choice.settings] + ([default] if default != choice.settings else [])
+        say("tree auto: checking the choice by decoding" + (", beside the default for this CPU class"
+                                                           if len(candidates) > 1 else "") + " ...")
+        rates, plain = check_by_decoding(engine, candidates, prompts=list(prompts)[:2])
+        choice = keep_fastest(choice, candidates, rates, plain, rounds)
     drafter.settings = choice.settings
     reading = monitor.reading
     choice.load = reading.describe()
