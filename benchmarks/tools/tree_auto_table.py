@@ -9,6 +9,7 @@ machine `--tree auto` measures nothing (it takes the CPU class's default tree, a
 import argparse
 
 from eaglespec import Engine
+from eaglespec.drafters.autotree import settings_of
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="smollm2-135m")
@@ -43,6 +44,5 @@ if choice.checked:
     print("| total_tokens | depth | top_k | tokens/s | kept |")
     print("|---|---|---|---|---|")
     for r in choice.checked:
-        kept = "yes" if (r["total_tokens"], r["depth"], r["top_k"]) == (
-            choice.settings.total_tokens, choice.settings.depth, choice.settings.top_k) else ""
+        kept = "yes" if settings_of(r) == choice.settings else ""
         print(f"| {r['total_tokens']} | {r['depth']} | {r['top_k']} | {r['tokens_per_s']:.1f} | {kept} |")

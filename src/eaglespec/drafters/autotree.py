@@ -210,7 +210,7 @@ class TreeChoice:
         if self.measured_tokens_per_s is not None and self.measured_vanilla_tokens_per_s is not None:
             text += (f"; measured by decoding: {self.measured_tokens_per_s:.1f} against "
                      f"{self.measured_vanilla_tokens_per_s:.1f}")
-        if self.checked and _settings_of(self.checked[0]) != s:
+        if self.checked and settings_of(self.checked[0]) != s:
             pick = self.checked[0]
             text += (f"; the cost model's pick, total_tokens={pick['total_tokens']} depth={pick['depth']} "
                      f"top_k={pick['top_k']}, decoded at {pick['tokens_per_s']:.1f}, so the CPU class's default "
@@ -219,8 +219,7 @@ class TreeChoice:
 
     def to_json(self) -> dict:
         d = asdict(self)
-        d["settings"] = {"total_tokens": self.settings.total_tokens, "depth": self.settings.depth,
-                         "top_k": self.settings.top_k}
+        d["settings"] = settings_row(self.settings)
         return d
 
     @classmethod
@@ -365,7 +364,7 @@ def expected(rounds: list[Candidates], verify_ms: dict[int, float], draft_ms: di
         return None
     tau = sum(r.accepted_length(t, d, k) for r in rounds) / max(1, len(rounds))
     step_ms = draft_ms[key] + verify_ms[t]
-    return {"total_tokens": t, "depth": d, "top_k": k, "tau": round(tau, 3), "draft_ms": round(draft_ms[key], 2),
+    return {**settings_row(settings), "tau": round(tau, 3), "draft_ms": round(draft_ms[key], 2),
             "verify_ms": round(verify_ms[t], 2), "tokens_per_s": round(1000 * tau / step_ms, 2)}
 
 
@@ -384,11 +383,17 @@ def choose(rounds: list[Candidates], verify_ms: dict[int, float], draft_ms: dict
         raise ValueError("no tree setting could be evaluated (empty calibration)")
     rows.sort(key=lambda r: -r["tokens_per_s"])
     best = rows[0]
-    return TreeChoice(_settings_of(best), best["tau"], best["tokens_per_s"], verify_ms, draft_ms, rows[:keep],
+    return TreeChoice(settings_of(best), best["tau"], best["tokens_per_s"], verify_ms, draft_ms, rows[:keep],
                       len(rounds))
 
 
-def _settings_of(row: dict) -> TreeSettings:
+def settings_row(settings: TreeSettings) -> dict:
+    """An EAGLE-2 setting as the calibration's rows and cache name it: {"total_tokens", "depth", "top_k"}."""
+    return {"total_tokens": settings.total_tokens, "depth": settings.depth, "top_k": settings.top_k}
+
+
+def settings_of(row: dict) -> TreeSettings:
+    """The setting a calibration row (`settings_row`, `expected`, `TreeChoice.checked`) names."""
     return TreeSettings(total_tokens=row["total_tokens"], depth=row["depth"], top_k=row["top_k"])
 
 
@@ -408,8 +413,7 @@ def keep_fastest(choice: TreeChoice, candidates: list[TreeSettings], rates: list
     and plain decoding at `plain`: set to the fastest candidate (the pick where tied), with its expected figures
     from the replay, and every measurement kept in `checked`."""
     best = max(range(len(candidates)), key=lambda i: (rates[i], -i))
-    choice.checked = [{"total_tokens": c.total_tokens, "depth": c.depth, "top_k": c.top_k,
-                       "tokens_per_s": round(r, 2)} for c, r in zip(candidates, rates)]
+    choice.checked = [{**settings_row(c), "tokens_per_s": round(r, 2)} for c, r in zip(candidates, rates)]
     choice.measured_tokens_per_s, choice.measured_vanilla_tokens_per_s = rates[best], plain
     if best:
         choice.settings = candidates[best]
