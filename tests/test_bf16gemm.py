@@ -361,10 +361,11 @@ def test_screened_argmax_is_the_exact_argmax(n, k):
     torch.manual_seed(n + k)
     w = (torch.randn(n, k) * 0.05).bfloat16()
     head = bf16gemm.GreedyHead(w)
-    x = torch.randn(11, k).bfloat16()  # 11 rows: passes of 8 and 3
+    x = torch.randn(19, k).bfloat16()  # 19 rows: a pass of 16 (two tiles of 8 a group) and one of 3
     best = head(x)
     assert torch.equal(best, (x.double() @ w.double().T).argmax(-1))
-    assert [int(head(x[r : r + 1])[0]) for r in range(11)] == best.tolist()
+    assert [int(head(x[r : r + 1])[0]) for r in range(19)] == best.tolist()
+    assert torch.equal(head(x[:11]), best[:11])  # one pass, tiles of 6 and 5
     tied = w.clone()
     tied[n // 2] = tied[n // 3] = 4 * w[0]  # two equal best rows for x = w[0]
     assert int(bf16gemm.GreedyHead(tied)(w[:1].float().bfloat16())[0]) == n // 3
@@ -402,17 +403,18 @@ def test_int8_linear_is_close_to_the_product(n, k, with_bias):
     w = (torch.randn(n, k) * 0.05).bfloat16()
     bias = torch.randn(n) if with_bias else None
     layer = bf16gemm.Int8Linear(w, bias)
-    x = torch.randn(11, k)
+    x = torch.randn(19, k)  # a pass of 16 rows (two tiles of 8 a group) and one of 3
     x[:, 3] *= 40  # an outlier channel, as target features have
-    y = layer(x)  # [11, n] float32
+    y = layer(x)  # [19, n] float32
     exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
     _, _, b1, b2 = bf16gemm.int8_rows(w)
-    blocks = torch.nn.functional.pad(x.abs(), (0, -k % 32)).view(11, -1, 32).amax(-1) / 127  # [11, K32]
+    blocks = torch.nn.functional.pad(x.abs(), (0, -k % 32)).view(19, -1, 32).amax(-1) / 127  # [19, K32]
     bound = x.abs().sum(-1, keepdim=True).double() * b1[:n].double() + blocks.sum(-1, keepdim=True).double() * b2[:n]
-    assert y.dtype == torch.float32 and y.shape == (11, n)
+    assert y.dtype == torch.float32 and y.shape == (19, n)
     assert bool(((y.double() - exact).abs() <= bound).all())
     assert (y.double() - exact).abs().max() < 0.05 * exact.abs().max()  # and close in practice
-    assert torch.equal(torch.cat([layer(x[r : r + 1]) for r in range(11)]), y)
+    assert torch.equal(torch.cat([layer(x[r : r + 1]) for r in range(19)]), y)
+    assert torch.equal(layer(x[:11]), y[:11])  # one pass, tiles of 6 and 5
     assert torch.equal(layer(x.bfloat16()[:, None])[:, 0], layer(x.bfloat16().float()).bfloat16())  # [..., K], dtype
     bad = x[:2].clone()
     bad[1, 0] = float("nan")

@@ -38,9 +38,15 @@
 namespace eaglespec::screen {
 namespace {
 
-constexpr int64_t kRows = 8;  // input rows per screen call (scratch rows)
+constexpr int64_t kRows = 16;  // input rows per screen call (scratch rows): one read of the weights for all
+constexpr int kTileRows = 8;   // rows the micro-kernels take at a time (their registers)
 constexpr int64_t kSerialCandidates = 256;  // exact scores one thread computes before the work is shared
 
+// hi and lo (BOUND) or the products (not BOUND) of R rows (R <= kRows) over every packed group, on torch's threads.
+// Up to kTileRows rows run as one tile over a thread's groups. More run as two tiles of near-equal rows, group by
+// group: the second tile finds the group's weights (16 columns x K bytes) in L1, so the weights are read from memory
+// once per call rather than once per tile (a verify pass of 9-16 rows then costs about what 8 do). A row's integer
+// sums and its float steps are the same in either form, and in every tile: its bits are its own (row-invariant).
 template <int R, bool BOUND = true>
 void screen(const Quantized* x, int64_t blocks, const uint8_t* packed, const float* scale, const float* b1,
             const float* b2, const float* l1, const float* sxsum, int64_t groups, int64_t n, int64_t n_pad, float* hi,
@@ -49,7 +55,17 @@ void screen(const Quantized* x, int64_t blocks, const uint8_t* packed, const flo
   std::vector<float> lo(static_cast<size_t>(threads) * R, -std::numeric_limits<float>::infinity());
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {  // (a few groups a task: small heads too)
     float* mine = lo.data() + static_cast<size_t>(at::get_thread_num()) * R;
-    isa::screen_groups<R, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, g0, g1, n, n_pad, hi, mine);
+    if constexpr (R <= kTileRows) {
+      isa::screen_groups<R, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, g0, g1, n, n_pad, hi, mine);
+    } else {
+      constexpr int R1 = (R + 1) / 2, R2 = R - R1;
+      const int64_t stride = BOUND ? n_pad : n;  // hi's row stride
+      for (int64_t g = g0; g < g1; ++g) {
+        isa::screen_groups<R1, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, g, g + 1, n, n_pad, hi, mine);
+        isa::screen_groups<R2, BOUND>(x + R1, blocks, packed, scale, b1, b2, BOUND ? l1 + R1 : l1,
+                                      BOUND ? sxsum + R1 : sxsum, g, g + 1, n, n_pad, hi + R1 * stride, mine + R1);
+      }
+    }
   });
   if constexpr (!BOUND) return;
   for (int r = 0; r < R; ++r) {
@@ -59,12 +75,12 @@ void screen(const Quantized* x, int64_t blocks, const uint8_t* packed, const flo
   }
 }
 
-// `screen` for 1-8 rows (a compile-time count).
+// `screen` for 1-16 rows (a compile-time count).
 template <bool BOUND>
 void screen_rows(int rows, const Quantized* x, int64_t blocks, const uint8_t* packed, const float* scale,
                  const float* b1, const float* b2, const float* l1, const float* sxsum, int64_t groups, int64_t n,
                  int64_t n_pad, float* hi, float* lo) {
-  with_rows<8>(rows, [&](auto r) {
+  with_rows<kRows>(rows, [&](auto r) {
     screen<decltype(r)::value, BOUND>(x, blocks, packed, scale, b1, b2, l1, sxsum, groups, n, n_pad, hi, lo);
   });
 }
