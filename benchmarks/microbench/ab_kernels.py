@@ -38,7 +38,8 @@ IDENTIFIER = re.compile(r"(?<![A-Za-z0-9_])eaglespec(?![A-Za-z0-9_])")
 
 
 # (hidden, MLP width, fused q/k/v width, vocabulary, layers) of the models whose step shapes the A/B scripts time
-SHAPES = {"smollm2-135m": (576, 1536, 960, 49152, 30), "qwen2.5-coder-1.5b": (1536, 8960, 2048, 151936, 28)}
+SHAPES = {"smollm2-135m": (576, 1536, 960, 49152, 30), "qwen2.5-coder-1.5b": (1536, 8960, 2048, 151936, 28),
+          "qwen2.5-coder-0.5b": (896, 4864, 1152, 151936, 24)}
 
 def _git(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, check=False)

@@ -13,7 +13,8 @@ the older flat layout (csrc/avx2/q4_gemm.cpp, e.g. d1b9b2b~1) are refused. Both 
 (eaglespec.backends.cpu.kernels.isa(): AVX-512 micro-kernels since they exist, AVX2 ones before, compiled with the
 AVX-512 flags; EAGLESPEC_KERNEL_ISA=avx2 picks the AVX2 build), with the working tree's flags for it. --random times
 random exact 4-bit blocks of the step's shapes instead of the real weights (no model download); with --shapes, those
-of another model's layer matrices (qwen2.5-coder-1.5b: 28 layers, 1.3 billion weights, 0.8 GB packed). --against-isa
+of another model's layer matrices (qwen2.5-coder-1.5b: 28 layers, 1.3 billion weights, 0.8 GB packed;
+qwen2.5-coder-0.5b, the draft model of `sps` and `staged`: 24 layers, 358 million weights, 224 MB). --against-isa
 builds the revision for another instruction set than this CPU's default (on an AMX CPU, `--against HEAD --against-isa
 avx512` times the AMX build's product against the AVX-512 build's). --int8 times the product with int8 inputs
 (q4_q8_linear, `--activations int8`) instead, and checks the two builds give the same bits. Prints the median milliseconds of a step's layer
