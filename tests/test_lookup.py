@@ -43,6 +43,37 @@ def test_drafter_proposes_a_chain_capped_by_depth_and_tree_size():
     assert tree.tokens.tolist() == [2, 3, 4]
 
 
+def reference_continuation(seq: list[int], max_ngram: int, min_ngram: int, length: int) -> list[int]:
+    """By definition: for n = max_ngram .. min_ngram, the most recent earlier occurrence of the last n tokens."""
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if n < 1 or len(seq) < n + 1 or length < 1:
+            continue
+        suffix = seq[-n:]
+        for end in range(len(seq) - 2, n - 2, -1):  # the occurrence seq[end - n + 1 : end + 1], ending before the last
+            if seq[end - n + 1 : end + 1] == suffix:
+                return seq[end + 1 : end + 1 + length]
+    return []
+
+
+def test_the_scan_finds_what_the_definition_finds():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        size, vocab = int(torch.randint(1, 60, (1,), generator=gen)), int(torch.randint(2, 6, (1,), generator=gen))
+        seq = torch.randint(0, vocab, (size,), generator=gen)
+        max_ngram = int(torch.randint(1, 14, (1,), generator=gen))
+        min_ngram = int(torch.randint(1, max_ngram + 1, (1,), generator=gen))
+        length = int(torch.randint(0, 9, (1,), generator=gen))
+        want = reference_continuation(seq.tolist(), max_ngram, min_ngram, length)
+        assert find_continuation(seq, max_ngram, min_ngram, length) == want, (seq.tolist(), max_ngram, min_ngram)
+
+
+def test_a_long_shared_suffix_beats_a_more_recent_short_one_by_default():
+    # the last 5 tokens (1, 2, 3, 4, 5) occurred at the start, followed by 6; (3, 4, 5) alone recurs later, followed by 9
+    seq = t(1, 2, 3, 4, 5, 6, 7, 3, 4, 5, 9, 8, 1, 2, 3, 4, 5)
+    assert find_continuation(seq, length=2) == [6, 7]
+    assert find_continuation(seq, max_ngram=3, length=2) == [9, 8]
+
+
 def test_sequence_shorter_than_the_ngram():
     assert find_continuation(t(3), 3, 1, 5) == []
     assert find_continuation(t(3, 3), 3, 1, 5) == [3]

@@ -19,27 +19,42 @@ from .base import Drafter, TreeSettings
 Stage2 = Callable[[Tensor, int], list[int]]
 
 
-def find_continuation(tokens: Tensor, max_ngram: int = 3, min_ngram: int = 1, length: int = 5) -> list[int]:
-    """The up to `length` tokens that followed the most recent earlier occurrence of the last n-gram of
-    `tokens` [L], trying n = max_ngram .. min_ngram; [] when no n-gram recurs.
+# The longest n-gram the context's lookups match (`context_lookup`, the engine's second stage for `staged` and for an
+# EAGLE head's `--extend` guesses, and `pld`). The longer the suffix an earlier occurrence shares, the likelier its
+# continuation is the one the text takes: replayed over plain decoding's answers of the 1.5B (guesses of 8 tokens at
+# every third position, prompt included), up to 12 tokens matched 5.08 guessed tokens a position against 4.04 with up
+# to 3 (the prompt lookup paper's) on all 164 HumanEval tasks, at a precision of 0.74 against 0.59, and 1.10 against
+# 1.05 on MT-bench (benchmarks/tools/lookup_replay.py).
+MAX_NGRAM = 12
 
-    "Earlier" means the occurrence ends before the last token, so at least one continuation token exists."""
+
+def find_continuation(tokens: Tensor, max_ngram: int = MAX_NGRAM, min_ngram: int = 1, length: int = 5) -> list[int]:
+    """The up to `length` tokens that followed the most recent earlier occurrence of the longest suffix of `tokens`
+    [L] of n tokens, n from max_ngram down to min_ngram, that occurs earlier; [] when none does.
+
+    "Earlier" means the occurrence ends before the last token, so at least one continuation token exists. One scan
+    back over the context: each earlier position holding the last token is matched backwards against the suffix,
+    so the cost does not grow with max_ngram."""
     total = tokens.numel()
-    if length < 1:
+    if length < 1 or min_ngram < 1 or total < min_ngram + 1:
         return []
-    for n in range(max_ngram, min_ngram - 1, -1):
-        if n < 1 or total < n + 1:
+    seq = tokens.tolist()
+    last = seq[-1]
+    best, start = 0, -1  # the longest match so far (most recent first) and where its continuation starts
+    for end in range(total - 2, -1, -1):  # an occurrence ending at `end`, the most recent first
+        if seq[end] != last:
             continue
-        suffix = tokens[total - n :]  # [n]
-        windows = tokens[: total - 1].unfold(0, n, 1)  # [total - n, n]: every n-gram ending before the last token
-        hits = (windows == suffix).all(dim=1).nonzero().flatten()
-        if hits.numel():
-            start = int(hits[-1]) + n  # first token after the most recent occurrence
-            return tokens[start : start + length].tolist()
-    return []
+        n, limit = 1, min(max_ngram, end + 1)
+        while n < limit and seq[end - n] == seq[total - 1 - n]:
+            n += 1
+        if n > best:
+            best, start = n, end + 1
+            if n == max_ngram:
+                break
+    return seq[start : start + length] if best >= min_ngram else []
 
 
-def context_lookup(max_ngram: int = 3, min_ngram: int = 1) -> Stage2:
+def context_lookup(max_ngram: int = MAX_NGRAM, min_ngram: int = 1) -> Stage2:
     """Stage 2 from the context itself: what followed the most recent earlier occurrence of its last n-gram."""
     def guess(tokens: Tensor, length: int) -> list[int]:
         return find_continuation(tokens, max_ngram, min_ngram, length)
@@ -54,7 +69,7 @@ class PromptLookupDrafter(Drafter):
     name = "pld"
     needs_features = False
 
-    def __init__(self, settings: TreeSettings | None = None, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, settings: TreeSettings | None = None, max_ngram: int = MAX_NGRAM, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.settings = settings or TreeSettings()
