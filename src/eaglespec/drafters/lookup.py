@@ -36,7 +36,7 @@ def find_continuation(tokens: Tensor, max_ngram: int = MAX_NGRAM, min_ngram: int
     back over the context: each earlier position holding the last token is matched backwards against the suffix,
     so the cost does not grow with max_ngram."""
     total = tokens.numel()
-    if length < 1 or min_ngram < 1 or total < min_ngram + 1:
+    if length < 1 or min_ngram < 1 or max_ngram < min_ngram or total < min_ngram + 1:
         return []
     seq = tokens.tolist()
     last = seq[-1]
@@ -55,7 +55,8 @@ def find_continuation(tokens: Tensor, max_ngram: int = MAX_NGRAM, min_ngram: int
 
 
 def context_lookup(max_ngram: int = MAX_NGRAM, min_ngram: int = 1) -> Stage2:
-    """Stage 2 from the context itself: what followed the most recent earlier occurrence of its last n-gram."""
+    """Stage 2 from the context itself: what followed the most recent earlier occurrence of its longest suffix of
+    min_ngram .. max_ngram tokens that occurred before (`find_continuation`)."""
     def guess(tokens: Tensor, length: int) -> list[int]:
         return find_continuation(tokens, max_ngram, min_ngram, length)
 
